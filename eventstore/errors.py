@@ -1,0 +1,36 @@
+"""Errors of the event store and the consumer runtime.
+
+Every error says whether retrying can help (``retryable``), because the consumer runtime decides from
+that alone whether a message is poison (dead-lettered at once) or the world is briefly broken (pause
+and retry, never dead-letter).
+"""
+
+from __future__ import annotations
+
+
+class StepstreamError(Exception):
+    """Base of every error this project raises on purpose."""
+
+    retryable: bool = False
+
+
+class BrokerError(StepstreamError):
+    """The local broker could not be fetched, formatted, started or reached."""
+
+
+class InfrastructureError(StepstreamError):
+    """A dependency (broker, database, remote service) is unreachable: retry with back-off, never DLQ."""
+
+    retryable = True
+
+
+class PoisonMessageError(StepstreamError):
+    """The message itself is wrong (undecodable, schema-invalid, contradictory): DLQ it and move on."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class DrainTimeoutError(StepstreamError):
+    """In-flight work did not finish within the drain timeout after SIGTERM."""

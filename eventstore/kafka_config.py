@@ -1,0 +1,40 @@
+"""librdkafka configurations for each role, in one place so every service behaves alike."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from eventstore.settings import ConsumerSettings
+
+
+def producer_config(bootstrap: str, **extra: Any) -> dict[str, Any]:
+    """Idempotent, acks=all: a retried send never duplicates or reorders within a partition."""
+    return {
+        "bootstrap.servers": bootstrap,
+        "enable.idempotence": True,
+        "acks": "all",
+        "linger.ms": 5,
+        "compression.type": "lz4",
+        **extra,
+    }
+
+
+def transactional_config(bootstrap: str, transactional_id: str, **extra: Any) -> dict[str, Any]:
+    return producer_config(bootstrap, **{"transactional.id": transactional_id,
+                                          "transaction.timeout.ms": 60000, **extra})
+
+
+def consumer_config(bootstrap: str, group_id: str, settings: ConsumerSettings, **extra: Any) -> dict[str, Any]:
+    """Offsets are stored by the runtime only after the work for a message is done."""
+    return {
+        "bootstrap.servers": bootstrap,
+        "group.id": group_id,
+        "enable.auto.commit": True,
+        "enable.auto.offset.store": False,
+        "auto.commit.interval.ms": settings.commit_interval_ms,
+        "auto.offset.reset": "earliest",
+        "isolation.level": "read_committed",
+        "session.timeout.ms": settings.session_timeout_ms,
+        "heartbeat.interval.ms": max(100, settings.session_timeout_ms // 4),
+        **extra,
+    }

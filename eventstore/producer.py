@@ -1,0 +1,88 @@
+"""Producers of the event store: idempotent for plain sends, transactional for exactly-once batches."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from confluent_kafka import KafkaError, KafkaException, Producer
+
+from eventstore.errors import InfrastructureError
+from eventstore.kafka_config import producer_config, transactional_config
+from schemas.codec import Codec, default_codec
+from schemas.messages import Message
+
+Headers = list[tuple[str, bytes]]
+
+
+class EventProducer:
+    """Encodes messages and sends them keyed by task id, so a task's messages keep their order."""
+
+    def __init__(self, bootstrap: str, codec: Codec | None = None, *, transactional_id: str | None = None,
+                 **config: Any) -> None:
+        self.codec = codec or default_codec()
+        conf = (transactional_config(bootstrap, transactional_id, **config) if transactional_id
+                else producer_config(bootstrap, **config))
+        self._producer = Producer(conf)
+        self._failures: list[KafkaError] = []
+        self.transactional = transactional_id is not None
+
+    @property
+    def raw(self) -> Producer:
+        return self._producer
+
+    def send(self, topic: str, message: Message, *, key: str | None = None, headers: Headers | None = None) -> None:
+        self.send_raw(topic, key if key is not None else message.task_id, self.codec.encode(message), headers)
+
+    def send_raw(self, topic: str, key: str | bytes | None, value: bytes | None,
+                 headers: Headers | None = None) -> None:
+        while True:
+            try:
+                self._producer.produce(topic, value=value, key=key, headers=headers, on_delivery=self._delivered)
+                return
+            except BufferError:
+                # The local queue is full: serve delivery reports until there is room.
+                self._producer.poll(0.1)
+
+    def flush(self, timeout_s: float = 60.0) -> None:
+        """Wait for every send; raise if any failed, so callers never store offsets past lost output."""
+        remaining = self._producer.flush(timeout_s)
+        if remaining:
+            raise InfrastructureError(f"{remaining} messages not delivered within {timeout_s}s")
+        if self._failures:
+            failures, self._failures = self._failures, []
+            raise InfrastructureError(f"delivery failed: {failures[0]} (+{len(failures) - 1} more)")
+
+    def _delivered(self, err: KafkaError | None, _msg: Any) -> None:
+        if err is not None:
+            self._failures.append(err)
+
+    # -- transactions -------------------------------------------------------------------------
+
+    def init_transactions(self, timeout_s: float = 30.0) -> None:
+        self._producer.init_transactions(timeout_s)
+
+    def begin(self) -> None:
+        self._producer.begin_transaction()
+
+    def commit(self, timeout_s: float = 30.0) -> None:
+        self._producer.commit_transaction(timeout_s)
+        self._failures.clear()
+
+    def abort(self, timeout_s: float = 30.0) -> None:
+        self._producer.abort_transaction(timeout_s)
+        self._failures.clear()
+
+    def send_offsets(self, offsets: list[Any], group_metadata: Any, timeout_s: float = 30.0) -> None:
+        self._producer.send_offsets_to_transaction(offsets, group_metadata, timeout_s)
+
+
+def is_fatal(exc: KafkaException) -> bool:
+    return bool(exc.args and isinstance(exc.args[0], KafkaError) and exc.args[0].fatal())
+
+
+def requires_abort(exc: KafkaException) -> bool:
+    return bool(exc.args and isinstance(exc.args[0], KafkaError) and exc.args[0].txn_requires_abort())
+
+
+def is_retriable(exc: KafkaException) -> bool:
+    return bool(exc.args and isinstance(exc.args[0], KafkaError) and exc.args[0].retriable())

@@ -1,0 +1,374 @@
+"""The consumer loop every service runs.
+
+One loop, two guarantees:
+
+* at-least-once: a message's offset is stored only after its handler returned and everything the
+  handler sent was delivered; librdkafka commits stored offsets in the background, and the runtime
+  commits synchronously on revoke and on shutdown.
+* exactly-once: each batch runs inside one Kafka transaction that also carries the consumed offsets;
+  a failed transaction is aborted, the consumer rewinds to the committed offsets, and the service is
+  told (``on_abort``) to drop the state it derived from the aborted batch.
+
+Partitions are processed in order, one message at a time. Poison messages (undecodable, schema-invalid,
+contradictory) go to the DLQ and the partition moves on; infrastructure faults are retried with
+back-off, never dead-lettered, with the partitions paused so the group membership stays alive.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any, Protocol
+
+import structlog
+from confluent_kafka import Consumer, KafkaException, TopicPartition
+from confluent_kafka import Message as KafkaMessage
+
+from eventstore.dlq import dlq_headers
+from eventstore.errors import InfrastructureError, PoisonMessageError
+from eventstore.kafka_config import consumer_config
+from eventstore.metrics import (
+    CONSUMER_LAG,
+    DEAD_LETTERS,
+    HANDLER_RETRIES,
+    HANDLER_SECONDS,
+    MESSAGES_PROCESSED,
+    TRANSACTIONS_ABORTED,
+)
+from eventstore.producer import EventProducer, is_fatal, requires_abort
+from eventstore.settings import ConsumerSettings
+from schemas.codec import Codec, default_codec
+from schemas.errors import DecodeError
+from schemas.messages import Message
+
+log = structlog.get_logger("stepstream.runtime")
+
+EXIT_DRAIN_TIMEOUT = 75
+
+
+@dataclass(frozen=True)
+class Record:
+    """A decoded message and where it came from."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: str | None
+    message: Message
+    headers: list[tuple[str, bytes]]
+
+
+class Handler(Protocol):
+    def __call__(self, record: Record, output: EventProducer) -> None: ...
+
+
+PartitionCallback = Callable[[list[TopicPartition]], None]
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """Infrastructure faults are retryable; an error may say so itself (``retryable = True``)."""
+    if isinstance(exc, PoisonMessageError):
+        return False
+    if getattr(exc, "retryable", False):
+        return True
+    if isinstance(exc, KafkaException):
+        return True
+    import sqlite3
+
+    if isinstance(exc, sqlite3.OperationalError):
+        return True
+    return isinstance(exc, (ConnectionError, TimeoutError))
+
+
+def backoff_delay(attempt: int, initial_s: float, max_s: float, rng: random.Random) -> float:
+    """Exponential back-off with full jitter: retrying consumers do not hammer a dependency in step."""
+    ceiling: float = min(max_s, initial_s * (2 ** min(attempt, 30)))
+    return rng.uniform(initial_s / 2, ceiling)
+
+
+class _Revoked(Exception):
+    """The partition of the record being retried was taken away: abandon it, its new owner redoes it."""
+
+
+class ConsumerRuntime:
+    """Runs ``handler`` over ``topics`` until stopped (SIGTERM/SIGINT or ``stop()``)."""
+
+    def __init__(
+        self,
+        *,
+        bootstrap: str,
+        group_id: str,
+        topics: list[str],
+        handler: Handler,
+        dlq_topic: str,
+        settings: ConsumerSettings | None = None,
+        codec: Codec | None = None,
+        transactional_id: str | None = None,
+        on_assign: PartitionCallback | None = None,
+        on_revoke: PartitionCallback | None = None,
+        on_abort: Callable[[], None] | None = None,
+        consumer_overrides: dict[str, Any] | None = None,
+    ) -> None:
+        self.settings = settings or ConsumerSettings()
+        self.group_id = group_id
+        self.topics = topics
+        self.handler = handler
+        self.dlq_topic = dlq_topic
+        self.codec = codec or default_codec()
+        self.exactly_once = transactional_id is not None
+        self._on_assign = on_assign
+        self._on_revoke = on_revoke
+        self._on_abort = on_abort
+        self._stop = threading.Event()
+        self._rng = random.Random()
+        self._assigned: set[tuple[str, int]] = set()
+        # Next offset to commit per partition, for work already done in the current batch.
+        self._done: dict[tuple[str, int], int] = {}
+        # Next offset to process per partition, across batches: what the lag is measured from.
+        self._processed: dict[tuple[str, int], int] = {}
+        self._in_transaction = False
+        self._last_lag_update = 0.0
+        overrides = dict(consumer_overrides or {})
+        if self.exactly_once:
+            overrides["enable.auto.commit"] = False
+        self._consumer = Consumer(consumer_config(bootstrap, group_id, self.settings, **overrides))
+        self.output = EventProducer(bootstrap, self.codec, transactional_id=transactional_id)
+        if self.exactly_once:
+            self.output.init_transactions()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Stop fetching; the message in flight is finished, its offset committed, then ``run`` returns."""
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def install_signal_handlers(self) -> None:
+        def on_signal(signum: int, _frame: FrameType | None) -> None:
+            if self._stop.is_set():
+                return
+            log.info("draining", signal=signal.Signals(signum).name, timeout_s=self.settings.drain_timeout_s)
+            self.stop()
+            watchdog = threading.Timer(self.settings.drain_timeout_s, self._drain_expired)
+            watchdog.daemon = True
+            watchdog.start()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+
+    def _drain_expired(self) -> None:
+        # Nothing is lost: work that did not finish was not committed and will be redone.
+        log.error("drain timeout passed with work still in flight; exiting", timeout_s=self.settings.drain_timeout_s)
+        os._exit(EXIT_DRAIN_TIMEOUT)
+
+    def run(self) -> None:
+        self._consumer.subscribe(self.topics, on_assign=self._assigned_cb, on_revoke=self._revoked_cb,
+                                 on_lost=self._revoked_cb)
+        try:
+            while not self._stop.is_set():
+                batch = self._consumer.consume(self.settings.batch_size, self.settings.poll_timeout_s)
+                if batch:
+                    self._process_batch(batch)
+                self._maybe_update_lag()
+            self._finish_batch()
+            if not self.exactly_once:
+                self._commit_sync()
+        finally:
+            self._consumer.close()
+            self.output.flush()
+            log.info("consumer closed", group=self.group_id)
+
+    # -- batches ------------------------------------------------------------------------------
+
+    def _process_batch(self, batch: list[KafkaMessage]) -> None:
+        try:
+            for raw in batch:
+                if self._stop.is_set():
+                    break  # drain: later messages of the batch were not started and are not committed
+                if raw.error() is not None:
+                    log.warning("consumer error", error=str(raw.error()))
+                    continue
+                where = (raw.topic(), raw.partition())
+                if where not in self._assigned:
+                    continue
+                if self.exactly_once and not self._in_transaction:
+                    self.output.begin()
+                    self._in_transaction = True
+                self._process_one(raw)
+                self._done[where] = self._processed[where] = raw.offset() + 1
+                self._maybe_update_lag()
+            self._finish_batch()
+        except _Revoked:
+            self._done.clear()
+            if self._in_transaction:
+                self._abort()
+
+    def _process_one(self, raw: KafkaMessage) -> None:
+        topic = raw.topic()
+        started = time.perf_counter()
+        try:
+            record = Record(topic, raw.partition(), raw.offset(), _text(raw.key()), self.codec.decode(raw.value()),
+                            list(raw.headers() or []))
+        except DecodeError as exc:
+            self._dead_letter(raw, exc.reason, type(exc).__name__, exc.kind)
+            return
+        attempt = 0
+        while True:
+            try:
+                self.handler(record, self.output)
+                break
+            except Exception as exc:  # noqa: BLE001 - classified below, never swallowed silently
+                if not is_retryable(exc):
+                    reason = exc.reason if isinstance(exc, PoisonMessageError) else f"handler failed: {exc!r}"
+                    kind = "contradictory" if isinstance(exc, PoisonMessageError) else "handler_error"
+                    self._dead_letter(raw, reason, type(exc).__name__, kind)
+                    break
+                if self._stop.is_set():
+                    raise _Revoked() from exc  # draining: leave it uncommitted for the next owner
+                attempt += 1
+                delay = backoff_delay(attempt, self.settings.retry_initial_backoff_s,
+                                      self.settings.retry_max_backoff_s, self._rng)
+                HANDLER_RETRIES.labels(self.group_id, topic).inc()
+                log.warning("infrastructure fault; retrying", topic=topic, partition=raw.partition(),
+                            offset=raw.offset(), attempt=attempt, delay_s=round(delay, 3), error=repr(exc))
+                self._wait_paused(delay, (topic, raw.partition()))
+        MESSAGES_PROCESSED.labels(self.group_id, topic).inc()
+        HANDLER_SECONDS.labels(self.group_id, topic).observe(time.perf_counter() - started)
+
+    def _dead_letter(self, raw: KafkaMessage, reason: str, error_class: str, kind: str) -> None:
+        headers = dlq_headers(reason=reason, error_class=error_class, kind=kind, topic=raw.topic(),
+                              partition=raw.partition(), offset=raw.offset(), group=self.group_id,
+                              original=list(raw.headers() or []))
+        self.output.send_raw(self.dlq_topic, raw.key(), raw.value(), headers)
+        DEAD_LETTERS.labels(self.group_id, raw.topic(), kind).inc()
+        log.warning("dead-lettered", topic=raw.topic(), partition=raw.partition(), offset=raw.offset(),
+                    kind=kind, reason=reason[:300])
+
+    def _wait_paused(self, delay_s: float, where: tuple[str, int]) -> None:
+        """Sleep while staying in the group: pause fetching and keep polling, so rebalances are served."""
+        assignment = self._consumer.assignment()
+        self._consumer.pause(assignment)
+        try:
+            deadline = time.monotonic() + delay_s
+            while time.monotonic() < deadline and not self._stop.is_set():
+                self._consumer.consume(1, min(0.2, max(0.0, deadline - time.monotonic())))
+                if where not in self._assigned:
+                    raise _Revoked()
+        finally:
+            self._consumer.resume([tp for tp in self._consumer.assignment()])
+
+    def _finish_batch(self) -> None:
+        """Make the batch's work durable: deliver its output, then commit (or store) its offsets."""
+        if not self._done:
+            return
+        offsets = [TopicPartition(t, p, o) for (t, p), o in self._done.items()]
+        if self.exactly_once:
+            self._commit_transaction(offsets)
+        else:
+            self._flush_output()
+            self._consumer.store_offsets(offsets=offsets)
+        self._done.clear()
+
+    def _flush_output(self) -> None:
+        attempt = 0
+        while True:
+            try:
+                self.output.flush()
+                return
+            except InfrastructureError as exc:
+                attempt += 1
+                log.warning("output not delivered; retrying", attempt=attempt, error=str(exc))
+                time.sleep(backoff_delay(attempt, self.settings.retry_initial_backoff_s,
+                                         self.settings.retry_max_backoff_s, self._rng))
+
+    def _commit_transaction(self, offsets: list[TopicPartition]) -> None:
+        try:
+            self.output.send_offsets(offsets, self._consumer.consumer_group_metadata())
+            self.output.commit()
+            self._in_transaction = False
+        except KafkaException as exc:
+            if is_fatal(exc):
+                raise  # fenced by a newer instance, or the producer is broken: exit, a restart recovers
+            log.warning("transaction failed; aborting and re-reading the batch", error=str(exc),
+                        requires_abort=requires_abort(exc))
+            self._abort()
+
+    def _abort(self) -> None:
+        self.output.abort()
+        self._in_transaction = False
+        self._done.clear()
+        self._processed.clear()
+        TRANSACTIONS_ABORTED.labels(self.group_id).inc()
+        self._rewind_to_committed()
+        if self._on_abort is not None:
+            self._on_abort()
+
+    def _rewind_to_committed(self) -> None:
+        assignment = self._consumer.assignment()
+        if not assignment:
+            return
+        for tp in self._consumer.committed(assignment, timeout=30):
+            offset = tp.offset if tp.offset >= 0 else -2  # OFFSET_BEGINNING when nothing committed
+            self._consumer.seek(TopicPartition(tp.topic, tp.partition, offset))
+
+    def _commit_sync(self) -> None:
+        try:
+            self._consumer.commit(asynchronous=False)
+        except KafkaException as exc:
+            # _NO_OFFSET: nothing was stored since the last commit.
+            if "NO_OFFSET" not in str(exc):
+                log.warning("commit failed", error=str(exc))
+
+    # -- rebalance ----------------------------------------------------------------------------
+
+    def _assigned_cb(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._assigned.update((tp.topic, tp.partition) for tp in partitions)
+        log.info("partitions assigned", group=self.group_id, partitions=_names(partitions))
+        if self._on_assign is not None:
+            self._on_assign(partitions)
+
+    def _revoked_cb(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        """Commit what is done before the partitions move (callbacks run between batches)."""
+        log.info("partitions revoked", group=self.group_id, partitions=_names(partitions))
+        if not self.exactly_once:
+            self._finish_batch()
+            self._commit_sync()
+        for tp in partitions:
+            self._assigned.discard((tp.topic, tp.partition))
+            self._processed.pop((tp.topic, tp.partition), None)
+            with contextlib.suppress(KeyError):
+                CONSUMER_LAG.remove(self.group_id, tp.topic, str(tp.partition))
+        if self._on_revoke is not None:
+            self._on_revoke(partitions)
+
+    # -- lag ----------------------------------------------------------------------------------
+
+    def _maybe_update_lag(self) -> None:
+        now = time.monotonic()
+        if now - self._last_lag_update < self.settings.lag_interval_s:
+            return
+        self._last_lag_update = now
+        for tp in self._consumer.position(self._consumer.assignment()):
+            _low, high = self._consumer.get_watermark_offsets(tp, cached=True)
+            position = self._processed.get((tp.topic, tp.partition), tp.offset)
+            if high < 0 or position < 0:
+                continue
+            CONSUMER_LAG.labels(self.group_id, tp.topic, str(tp.partition)).set(max(0, high - position))
+
+
+def _names(partitions: list[TopicPartition]) -> list[str]:
+    return [f"{tp.topic}[{tp.partition}]" for tp in partitions]
+
+
+def _text(key: bytes | str | None) -> str | None:
+    return key.decode() if isinstance(key, bytes) else key

@@ -1,0 +1,98 @@
+"""The topic layout, declared once and created idempotently.
+
+``inbox`` and ``events`` share a partition count so that a task's commands and its history live on the
+same partition number: the scheduler owning inbox partition p restores state from events partition p.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from eventstore.errors import InfrastructureError
+from eventstore.settings import KafkaSettings
+
+FOREVER = "-1"
+
+
+@dataclass(frozen=True)
+class TopicSpec:
+    name: str
+    partitions: int
+    config: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TopicLayout:
+    """Names of every topic of one deployment (one prefix)."""
+
+    prefix: str
+    partitions: int
+    replication_factor: int = 1
+
+    @classmethod
+    def from_settings(cls, settings: KafkaSettings) -> TopicLayout:
+        return cls(settings.topic_prefix, settings.partitions, settings.replication_factor)
+
+    @property
+    def inbox(self) -> str:
+        return f"{self.prefix}inbox"
+
+    @property
+    def events(self) -> str:
+        return f"{self.prefix}events"
+
+    @property
+    def dlq(self) -> str:
+        return f"{self.prefix}dlq"
+
+    @property
+    def supervisor_lease(self) -> str:
+        return f"{self.prefix}supervisor-lease"
+
+    def agent(self, name: str) -> str:
+        return f"{self.prefix}agent.{name}"
+
+    def status(self, submitter: str) -> str:
+        return f"{self.prefix}status.{submitter}"
+
+    def core_specs(self) -> list[TopicSpec]:
+        # The event store keeps everything: no deletion by time or size, and never compacted.
+        event_store = {"cleanup.policy": "delete", "retention.ms": FOREVER, "retention.bytes": FOREVER}
+        return [
+            TopicSpec(self.inbox, self.partitions, {"retention.ms": str(7 * 24 * 3600 * 1000)}),
+            TopicSpec(self.events, self.partitions, event_store),
+            TopicSpec(self.dlq, self.partitions, {"retention.ms": FOREVER}),
+            TopicSpec(self.supervisor_lease, 1),
+        ]
+
+    def agent_spec(self, name: str) -> TopicSpec:
+        return TopicSpec(self.agent(name), self.partitions)
+
+    def status_spec(self, submitter: str) -> TopicSpec:
+        return TopicSpec(self.status(submitter), self.partitions)
+
+
+def ensure_topics(admin: AdminClient, specs: list[TopicSpec], replication_factor: int = 1,
+                  timeout_s: float = 30.0) -> list[str]:
+    """Create what is missing; an existing topic is left as it is. Returns the names created."""
+    existing = set(admin.list_topics(timeout=timeout_s).topics)
+    missing = [s for s in specs if s.name not in existing]
+    if not missing:
+        return []
+    futures = admin.create_topics(
+        [NewTopic(s.name, num_partitions=s.partitions, replication_factor=replication_factor, config=s.config)
+         for s in missing],
+        operation_timeout=timeout_s,
+    )
+    created = []
+    for name, future in futures.items():
+        try:
+            future.result(timeout=timeout_s)
+            created.append(name)
+        except KafkaException as exc:
+            if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                raise InfrastructureError(f"creating topic {name} failed: {exc}") from exc
+    return created

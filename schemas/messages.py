@@ -1,0 +1,204 @@
+"""Every message stepstream puts on Kafka: events, inbox commands, agent requests and status updates.
+
+Each class is one Avro record type (``stepstream.<ClassName>``). Changing a class means a new schema
+version: run ``python -m schemas.freeze`` and keep the old ``.avsc`` file, so old data stays readable.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from schemas.avro import utc_millis
+
+Timestamp = Annotated[datetime, AfterValidator(utc_millis)]
+JsonObject = dict[str, Any]
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def now() -> datetime:
+    return utc_millis(datetime.now(UTC))
+
+
+class Message(BaseModel):
+    """Fields every message carries: its own id, the task it concerns, and when it was made."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    kind: ClassVar[str] = "message"
+
+    message_id: str = Field(default_factory=new_id, min_length=1)
+    task_id: str = Field(min_length=1, max_length=200)
+    occurred_at: Timestamp = Field(default_factory=now)
+
+
+class Event(Message):
+    """A fact on the ``events`` topic. ``sequence`` is the task's version after this event (1, 2, ...)."""
+
+    kind: ClassVar[str] = "event"
+
+    sequence: int = Field(ge=1)
+    workflow: str = Field(min_length=1)
+    workflow_version: int = Field(ge=1)
+    causation_id: str = Field(min_length=1, description="message_id of the message that caused this event")
+
+
+# ---- events -------------------------------------------------------------------------------------
+
+
+class TaskAccepted(Event):
+    """The scheduler admitted a task; ``input_digest`` tells an idempotent repeat from a contradiction."""
+
+    input: JsonObject
+    input_digest: str
+    submitter: str | None = None
+    reply_topic: str | None = None
+
+
+class TaskRejected(Event):
+    """Admission control or validation refused a task; nothing of it runs."""
+
+    reason: str
+
+
+class StepStarted(Event):
+    """An attempt of a step was handed to its agent. ``attempt_id`` is the lock (locked_by)."""
+
+    step: str
+    step_index: int = Field(ge=0)
+    attempt: int = Field(ge=1)
+    attempt_id: str
+    complete_by: Timestamp
+    calls_allowed: int = Field(ge=0, description="calls the agent may still make within the step's budget")
+
+
+class StepSucceeded(Event):
+    """The current attempt's agent reported success."""
+
+    step: str
+    attempt_id: str
+    output: JsonObject
+    calls: int = Field(ge=0)
+
+
+class StepFailed(Event):
+    """An attempt ended in failure: reported by its agent, or its deadline expired (``timed_out``)."""
+
+    step: str
+    attempt_id: str
+    error: str
+    permanent: bool
+    timed_out: bool = False
+    calls: int = Field(ge=0)
+    failure_count: int = Field(ge=1)
+
+
+class MessageIgnored(Event):
+    """A result or command named an attempt that is not current: recorded for operators, no effect."""
+
+    attempt_id: str
+    message_type: str
+    reason: str
+
+
+class TaskCompleted(Event):
+    """Every step succeeded."""
+
+    output: JsonObject
+
+
+class TaskFailed(Event):
+    """The task is in ``error``: a step failed and no compensation ran (yet)."""
+
+    step: str
+    reason: str
+
+
+class OperatorAlert(Event):
+    """Something needs a person: a contradictory duplicate, an escalation, an exhausted budget."""
+
+    reason: str
+    step: str | None = None
+
+
+# ---- commands on the inbox ----------------------------------------------------------------------
+
+
+class SubmitTask(Message):
+    """A submission. The same ``task_id`` again with the same data is a no-op; other data is refused."""
+
+    kind: ClassVar[str] = "command"
+
+    workflow: str = Field(min_length=1)
+    workflow_version: int | None = Field(default=None, description="None means the latest registered")
+    input: JsonObject
+    submitter: str | None = None
+    reply_topic: str | None = None
+
+
+class StepResult(Message):
+    """An agent's answer for one attempt."""
+
+    kind: ClassVar[str] = "command"
+
+    step: str
+    attempt_id: str
+    ok: bool
+    output: JsonObject | None = None
+    error: str | None = None
+    permanent: bool = False
+    calls: int = Field(default=1, ge=0)
+
+
+class RecoverStep(Message):
+    """The supervisor asks the scheduler to recover an attempt whose deadline passed."""
+
+    kind: ClassVar[str] = "command"
+
+    attempt_id: str
+    reason: str
+
+
+# ---- other messages -----------------------------------------------------------------------------
+
+
+class AgentRequest(Message):
+    """Work for an agent: one attempt of one step."""
+
+    step: str
+    attempt: int = Field(ge=1, description="fencing token for the remote service")
+    attempt_id: str
+    idempotency_key: str = Field(description="the same across every attempt of a step")
+    complete_by: Timestamp
+    calls_allowed: int = Field(ge=0)
+    input: JsonObject
+
+
+class StatusUpdate(Message):
+    """Progress on a submitter's private reply topic."""
+
+    status: Literal["received", "rejected", "step_succeeded", "step_failed", "completed", "failed"]
+    detail: str | None = None
+
+
+MESSAGE_TYPES: tuple[type[Message], ...] = (
+    TaskAccepted,
+    TaskRejected,
+    StepStarted,
+    StepSucceeded,
+    StepFailed,
+    MessageIgnored,
+    TaskCompleted,
+    TaskFailed,
+    OperatorAlert,
+    SubmitTask,
+    StepResult,
+    RecoverStep,
+    AgentRequest,
+    StatusUpdate,
+)

@@ -1,0 +1,86 @@
+"""Fixtures: one real Kafka broker per test session, and a topic prefix per test.
+
+The broker is, in order: the cluster named by STEPSTREAM_BOOTSTRAP_SERVERS, a testcontainers Kafka
+where a Docker engine answers, else the project's own local broker (Kafka jars from Maven Central).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from confluent_kafka.admin import AdminClient
+
+from eventstore.broker import KAFKA_VERSION, LocalBroker
+from eventstore.topics import TopicLayout, ensure_topics
+
+
+def _docker_answers() -> bool:
+    try:
+        import docker
+
+        docker.from_env(timeout=3).ping()
+        return True
+    except Exception:  # noqa: BLE001 - any failure means "no engine here"
+        return False
+
+
+class KafkaUnderTest:
+    def __init__(self, bootstrap: str, local: LocalBroker | None) -> None:
+        self.bootstrap = bootstrap
+        self.local = local
+
+
+@pytest.fixture(scope="session")
+def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaUnderTest]:
+    external = os.environ.get("STEPSTREAM_BOOTSTRAP_SERVERS")
+    if external:
+        yield KafkaUnderTest(external, None)
+        return
+    if _docker_answers():
+        from testcontainers.kafka import KafkaContainer
+
+        with KafkaContainer(f"apache/kafka:{KAFKA_VERSION}").with_kraft() as container:
+            yield KafkaUnderTest(container.get_bootstrap_server(), None)
+        return
+    broker = LocalBroker(tmp_path_factory.mktemp("kafka-home"))
+    info = broker.start()
+    try:
+        yield KafkaUnderTest(info.bootstrap_servers, broker)
+    finally:
+        broker.stop()
+
+
+@pytest.fixture(scope="session")
+def bootstrap(kafka: KafkaUnderTest) -> str:
+    return kafka.bootstrap
+
+
+@pytest.fixture
+def layout(bootstrap: str) -> TopicLayout:
+    """A fresh prefix per test, its core topics created: tests never see each other's messages."""
+    layout = TopicLayout(prefix=f"t{uuid.uuid4().hex[:10]}.", partitions=3)
+    ensure_topics(AdminClient({"bootstrap.servers": bootstrap}), layout.core_specs())
+    return layout
+
+
+@pytest.fixture
+def test_env(bootstrap: str, layout: TopicLayout, tmp_path: Path) -> dict[str, str]:
+    """Environment for service subprocesses started by a test: same cluster, same prefix, short cadences."""
+    return {
+        **os.environ,
+        "STEPSTREAM_BOOTSTRAP_SERVERS": bootstrap,
+        "STEPSTREAM_TOPIC_PREFIX": layout.prefix,
+        "STEPSTREAM_PARTITIONS": str(layout.partitions),
+        "STEPSTREAM_HOME": str(tmp_path / "home"),
+        "STEPSTREAM_CONSUMER_POLL_TIMEOUT_S": "0.1",
+        "STEPSTREAM_CONSUMER_COMMIT_INTERVAL_MS": "100",
+        "STEPSTREAM_CONSUMER_SESSION_TIMEOUT_MS": "6000",
+        "STEPSTREAM_CONSUMER_DRAIN_TIMEOUT_S": "20",
+        "STEPSTREAM_CONSUMER_RETRY_INITIAL_BACKOFF_S": "0.05",
+        "STEPSTREAM_CONSUMER_RETRY_MAX_BACKOFF_S": "0.5",
+        "PYTHONUNBUFFERED": "1",
+    }

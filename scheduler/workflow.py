@@ -1,0 +1,128 @@
+"""Declaring workflows: a name, a version, ordered steps, and what to do when a step keeps failing.
+
+A task is pinned at submission to the workflow version it started with, so a new version can be
+registered while tasks of the old one are still in flight; both run side by side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+Escalation = Literal["error", "compensate"]
+
+
+class WorkflowNotFoundError(LookupError):
+    """No workflow registered under that name (and version)."""
+
+
+@dataclass(frozen=True)
+class Compensation:
+    """The action that undoes a completed step: an agent call like any other."""
+
+    agent: str
+    timeout_s: float = 10.0
+    attempt_budget: int = 5
+    calls_per_attempt: int = 3
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step: which agent runs it, how long an attempt may take, how many calls it may cost in all.
+
+    ``attempt_budget`` bounds the calls to the remote service across every attempt of the step (agent
+    retries and supervisor recoveries together); ``calls_per_attempt`` bounds one attempt's share.
+    """
+
+    name: str
+    agent: str
+    timeout_s: float = 10.0
+    attempt_budget: int = 5
+    calls_per_attempt: int = 3
+    compensation: Compensation | None = None
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.agent:
+            raise ValueError("a step needs a name and an agent")
+        if self.timeout_s <= 0:
+            raise ValueError(f"step {self.name}: timeout_s must be positive")
+        if self.attempt_budget < 1 or self.calls_per_attempt < 1:
+            raise ValueError(f"step {self.name}: attempt_budget and calls_per_attempt must be at least 1")
+
+
+@dataclass(frozen=True)
+class Workflow:
+    """``failure_threshold``: failed attempts of one step (timeouts included) before escalation."""
+
+    name: str
+    version: int
+    steps: tuple[Step, ...]
+    failure_threshold: int = 3
+    escalation: Escalation = "error"
+
+    def __post_init__(self) -> None:
+        if self.version < 1:
+            raise ValueError(f"workflow {self.name}: version must be at least 1")
+        if not self.steps:
+            raise ValueError(f"workflow {self.name}: needs at least one step")
+        names = [s.name for s in self.steps]
+        if len(set(names)) != len(names):
+            raise ValueError(f"workflow {self.name}: step names must be unique")
+        if self.failure_threshold < 1:
+            raise ValueError(f"workflow {self.name}: failure_threshold must be at least 1")
+
+    def step(self, name: str) -> Step:
+        for step in self.steps:
+            if step.name == name:
+                return step
+        raise KeyError(name)
+
+    @property
+    def agents(self) -> frozenset[str]:
+        names = {s.agent for s in self.steps}
+        names.update(s.compensation.agent for s in self.steps if s.compensation is not None)
+        return frozenset(names)
+
+
+@dataclass
+class WorkflowRegistry:
+    """Workflows by name and version. ``get(name)`` without a version is the latest."""
+
+    _by_name: dict[str, dict[int, Workflow]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, workflows: Iterable[Workflow]) -> WorkflowRegistry:
+        registry = cls()
+        for workflow in workflows:
+            registry.register(workflow)
+        return registry
+
+    def register(self, workflow: Workflow) -> None:
+        versions = self._by_name.setdefault(workflow.name, {})
+        if workflow.version in versions and versions[workflow.version] != workflow:
+            raise ValueError(f"workflow {workflow.name} v{workflow.version} is already registered differently")
+        versions[workflow.version] = workflow
+
+    def get(self, name: str, version: int | None = None) -> Workflow:
+        versions = self._by_name.get(name)
+        if not versions:
+            raise WorkflowNotFoundError(f"no workflow named {name!r}")
+        if version is None:
+            return versions[max(versions)]
+        try:
+            return versions[version]
+        except KeyError:
+            raise WorkflowNotFoundError(f"workflow {name!r} has no version {version}") from None
+
+    def workflows(self) -> Iterator[Workflow]:
+        for versions in self._by_name.values():
+            yield from versions.values()
+
+    @property
+    def agents(self) -> frozenset[str]:
+        names: set[str] = set()
+        for versions in self._by_name.values():
+            for workflow in versions.values():
+                names.update(workflow.agents)
+        return frozenset(names)

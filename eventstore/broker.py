@@ -9,6 +9,7 @@ a new start keep the same cluster.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import shutil
@@ -271,10 +272,8 @@ class LocalBroker:
 
 def _reap(pid: int) -> None:
     """Collect our own child's exit status so it does not linger as a zombie that looks alive."""
-    try:
+    with contextlib.suppress(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
 
 
 def _wait_ready(info: BrokerInfo, proc: subprocess.Popen[bytes] | None) -> None:
@@ -291,7 +290,7 @@ def _wait_ready(info: BrokerInfo, proc: subprocess.Popen[bytes] | None) -> None:
             metadata = admin.list_topics(timeout=2)
             if metadata.brokers:
                 return
-        except Exception as exc:  # noqa: BLE001 - the admin client raises KafkaException variants
+        except Exception as exc:
             last_error = exc
         time.sleep(0.2)
     raise BrokerError(f"the broker at {info.bootstrap_servers} was not ready in {READY_TIMEOUT_S}s: {last_error}")

@@ -227,7 +227,7 @@ class ConsumerRuntime:
             try:
                 self.handler(record, self.output)
                 break
-            except Exception as exc:  # noqa: BLE001 - classified below, never swallowed silently
+            except Exception as exc:
                 if not is_retryable(exc):
                     reason = exc.reason if isinstance(exc, PoisonMessageError) else f"handler failed: {exc!r}"
                     kind = "contradictory" if isinstance(exc, PoisonMessageError) else "handler_error"

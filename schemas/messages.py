@@ -61,9 +61,16 @@ class TaskAccepted(Event):
 
 
 class TaskRejected(Event):
-    """Admission control or validation refused a task; nothing of it runs."""
+    """Admission control or validation refused a task; nothing of it runs.
+
+    The submission's digest and addressee are kept (without the input itself) so that a repeat of the
+    rejected submission is recognised as a repeat, not a contradiction, and the submitter can be told.
+    """
 
     reason: str
+    input_digest: str | None = None
+    submitter: str | None = None
+    reply_topic: str | None = None
 
 
 class StepStarted(Event):

@@ -83,6 +83,12 @@ def test_handler_whose_database_is_down_is_retried_not_dead_lettered(
     with running(bootstrap, layout, layout.inbox, write_row):
         assert wait_for(lambda: len(attempts) >= 3), "the handler was retried"
         db_dir.mkdir()  # the database comes back
-        assert wait_for(lambda: (db_dir / "state.db").exists()
-                        and sqlite3.connect(db_dir / "state.db").execute("select count(*) from seen").fetchone()[0] >= 1)
+
+        def row_written() -> bool:
+            if not (db_dir / "state.db").exists():
+                return False
+            with sqlite3.connect(db_dir / "state.db") as conn:
+                return bool(conn.execute("select count(*) from seen").fetchone()[0] >= 1)
+
+        assert wait_for(row_written)
     assert read_all(bootstrap, layout.dlq, expect=1, timeout_s=3) == []

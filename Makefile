@@ -1,0 +1,37 @@
+# Every target does its own set-up: a virtual environment, the Python packages, the Kafka jars.
+# A second run reuses what the first installed (the venv is rebuilt only when pyproject.toml changes).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install jars demo test lint broker-stop clean
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "stepstream needs Python 3.11+")'
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+jars: $(STAMP)
+	@$(PY) -c 'from eventstore.broker import fetch_jars; print("Kafka jars:", fetch_jars())'
+
+demo: jars
+	$(VENV)/bin/stepstream demo
+
+test: jars
+	$(PY) -m pytest
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+broker-stop: $(STAMP)
+	$(VENV)/bin/stepstream broker stop
+
+clean:
+	-$(VENV)/bin/stepstream broker stop
+	rm -rf $(VENV) .stepstream

@@ -1,0 +1,3 @@
+from stepstream.cli import main
+
+raise SystemExit(main())

@@ -8,9 +8,14 @@ from eventstore.settings import ConsumerSettings
 
 
 def producer_config(bootstrap: str, **extra: Any) -> dict[str, Any]:
-    """Idempotent, acks=all: a retried send never duplicates or reorders within a partition."""
+    """Idempotent, acks=all: a retried send never duplicates or reorders within a partition.
+
+    murmur2 is the Java client's partitioner: a task id lands on the same partition whichever client
+    (Python, Java, Kafka Connect) produced it, so inbox commands and events of a task stay together.
+    """
     return {
         "bootstrap.servers": bootstrap,
+        "partitioner": "murmur2_random",
         "enable.idempotence": True,
         "acks": "all",
         "linger.ms": 5,

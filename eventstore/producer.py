@@ -30,14 +30,18 @@ class EventProducer:
     def raw(self) -> Producer:
         return self._producer
 
-    def send(self, topic: str, message: Message, *, key: str | None = None, headers: Headers | None = None) -> None:
-        self.send_raw(topic, key if key is not None else message.task_id, self.codec.encode(message), headers)
+    def send(self, topic: str, message: Message, *, key: str | None = None, headers: Headers | None = None,
+             partition: int | None = None) -> None:
+        self.send_raw(topic, key if key is not None else message.task_id, self.codec.encode(message), headers,
+                      partition=partition)
 
     def send_raw(self, topic: str, key: str | bytes | None, value: bytes | None,
-                 headers: Headers | None = None) -> None:
+                 headers: Headers | None = None, *, partition: int | None = None) -> None:
+        extra = {} if partition is None else {"partition": partition}
         while True:
             try:
-                self._producer.produce(topic, value=value, key=key, headers=headers, on_delivery=self._delivered)
+                self._producer.produce(topic, value=value, key=key, headers=headers, on_delivery=self._delivered,
+                                       **extra)
                 return
             except BufferError:
                 # The local queue is full: serve delivery reports until there is room.

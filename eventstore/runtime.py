@@ -17,15 +17,12 @@ back-off, never dead-lettered, with the partitions paused so the group membershi
 from __future__ import annotations
 
 import contextlib
-import os
 import random
-import signal
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import FrameType
-from typing import Any, Protocol
+from typing import Any
 
 import structlog
 from confluent_kafka import Consumer, KafkaException, TopicPartition
@@ -44,14 +41,12 @@ from eventstore.metrics import (
 )
 from eventstore.producer import EventProducer, is_fatal, requires_abort
 from eventstore.settings import ConsumerSettings
+from eventstore.shutdown import GracefulShutdown
 from schemas.codec import Codec, default_codec
 from schemas.errors import DecodeError
 from schemas.messages import Message
 
 log = structlog.get_logger("stepstream.runtime")
-
-EXIT_DRAIN_TIMEOUT = 75
-
 
 @dataclass(frozen=True)
 class Record:
@@ -65,11 +60,13 @@ class Record:
     headers: list[tuple[str, bytes]]
 
 
-class Handler(Protocol):
-    def __call__(self, record: Record, output: EventProducer) -> None: ...
+# Called once per decoded record; sends its output through the producer it is given.
+Handler = Callable[[Record, EventProducer], None]
 
 
 PartitionCallback = Callable[[list[TopicPartition]], None]
+# May return the partitions with the offsets to start from (a store that keeps its own offsets).
+AssignCallback = Callable[[list[TopicPartition]], list[TopicPartition] | None]
 
 
 def is_retryable(exc: BaseException) -> bool:
@@ -111,10 +108,11 @@ class ConsumerRuntime:
         settings: ConsumerSettings | None = None,
         codec: Codec | None = None,
         transactional_id: str | None = None,
-        on_assign: PartitionCallback | None = None,
+        on_assign: AssignCallback | None = None,
         on_revoke: PartitionCallback | None = None,
         on_abort: Callable[[], None] | None = None,
         consumer_overrides: dict[str, Any] | None = None,
+        stop_event: threading.Event | None = None,
     ) -> None:
         self.settings = settings or ConsumerSettings()
         self.group_id = group_id
@@ -126,7 +124,8 @@ class ConsumerRuntime:
         self._on_assign = on_assign
         self._on_revoke = on_revoke
         self._on_abort = on_abort
-        self._stop = threading.Event()
+        # Shared with handlers that wait (back-off sleeps), so a drain interrupts them.
+        self._stop = stop_event or threading.Event()
         self._rng = random.Random()
         self._assigned: set[tuple[str, int]] = set()
         # Next offset to commit per partition, for work already done in the current batch.
@@ -154,22 +153,10 @@ class ConsumerRuntime:
         return self._stop.is_set()
 
     def install_signal_handlers(self) -> None:
-        def on_signal(signum: int, _frame: FrameType | None) -> None:
-            if self._stop.is_set():
-                return
-            log.info("draining", signal=signal.Signals(signum).name, timeout_s=self.settings.drain_timeout_s)
-            self.stop()
-            watchdog = threading.Timer(self.settings.drain_timeout_s, self._drain_expired)
-            watchdog.daemon = True
-            watchdog.start()
-
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
-
-    def _drain_expired(self) -> None:
-        # Nothing is lost: work that did not finish was not committed and will be redone.
-        log.error("drain timeout passed with work still in flight; exiting", timeout_s=self.settings.drain_timeout_s)
-        os._exit(EXIT_DRAIN_TIMEOUT)
+        """For a runtime that owns its process: SIGTERM/SIGINT drain it (see ``GracefulShutdown``)."""
+        shutdown = GracefulShutdown(self.settings.drain_timeout_s)
+        shutdown.event = self._stop
+        shutdown.install()
 
     def run(self) -> None:
         self._consumer.subscribe(self.topics, on_assign=self._assigned_cb, on_revoke=self._revoked_cb,
@@ -331,11 +318,13 @@ class ConsumerRuntime:
 
     # -- rebalance ----------------------------------------------------------------------------
 
-    def _assigned_cb(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
+    def _assigned_cb(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._assigned.update((tp.topic, tp.partition) for tp in partitions)
         log.info("partitions assigned", group=self.group_id, partitions=_names(partitions))
         if self._on_assign is not None:
-            self._on_assign(partitions)
+            positioned = self._on_assign(partitions)
+            if positioned is not None:
+                consumer.assign(positioned)
 
     def _revoked_cb(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
         """Commit what is done before the partitions move (callbacks run between batches)."""

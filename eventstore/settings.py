@@ -56,3 +56,13 @@ class ConsumerSettings(BaseSettings):
     retry_initial_backoff_s: float = Field(default=0.2, gt=0)
     retry_max_backoff_s: float = Field(default=10.0, gt=0)
     session_timeout_ms: int = Field(default=10000, ge=1000)
+
+
+class ObservabilitySettings(BaseSettings):
+    """Logs and the Prometheus endpoint of a service process."""
+
+    model_config = SettingsConfigDict(env_prefix="STEPSTREAM_", frozen=True, extra="ignore")
+
+    log_level: str = Field(default="INFO", pattern=r"^(DEBUG|INFO|WARNING|ERROR)$")
+    log_json: bool = True
+    metrics_port: int | None = Field(default=None, ge=0, le=65535, description="serve /metrics on this port")

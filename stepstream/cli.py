@@ -49,7 +49,32 @@ def _topics(_args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from stepstream.demo import run_demo
 
+    if args.tasks < 1:
+        raise SystemExit("stepstream demo: --tasks must be at least 1")
     return run_demo(tasks=args.tasks)
+
+
+def _up(args: argparse.Namespace) -> int:
+    from stepstream.up import run_up
+
+    return run_up(service_port=args.service_port)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from stepstream import services
+
+    if args.service == "agent":
+        if not args.name:
+            raise SystemExit("stepstream run agent: NAME is required (e.g. inventory, payments, shipping)")
+        return services.run_agent(args.name)
+    if args.name:
+        raise SystemExit(f"stepstream run {args.service}: takes no NAME")
+    runners: dict[str, Callable[[], int]] = {
+        "scheduler": services.run_scheduler,
+        "projector": services.run_projector,
+        "supervisor": services.run_supervisor,
+    }
+    return runners[args.service]()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,7 +90,16 @@ def build_parser() -> argparse.ArgumentParser:
     topics.add_argument("action", choices=["create"])
     topics.set_defaults(func=_topics)
 
-    demo = commands.add_parser("demo", help="run the demo on the local broker")
+    run = commands.add_parser("run", help="run one service in the foreground (SIGTERM drains it)")
+    run.add_argument("service", choices=["scheduler", "agent", "projector", "supervisor"])
+    run.add_argument("name", nargs="?", help="the agent's name, for `run agent`")
+    run.set_defaults(func=_run)
+
+    up = commands.add_parser("up", help="run a whole local system until SIGTERM/Ctrl-C")
+    up.add_argument("--service-port", type=int, default=None, help="port of the demo's order service")
+    up.set_defaults(func=_up)
+
+    demo = commands.add_parser("demo", help="submit a batch of orders to a local system with faults on")
     demo.add_argument("--tasks", type=int, default=20)
     demo.set_defaults(func=_demo)
     return parser

@@ -1,81 +1,131 @@
-"""The README's main job: start the local broker, create the topics, append and replay a sample stream."""
+"""The README's main job: a whole local system runs a batch of orders with faults switched on.
+
+It starts ``stepstream up`` (broker, order service, every service as a process), makes the order service
+flaky (errors, throttling, latency), submits orders, one of them invalid, waits for every task to end,
+prints how each ended and what it took, then stops the system with SIGTERM and checks each service
+drained and exited 0.
+"""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import time
-from collections import defaultdict
+import uuid
+from pathlib import Path
 from typing import Any
 
-from confluent_kafka.admin import AdminClient
 from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from eventstore.broker import LocalBroker
+from agents.orders_client import OrdersAdmin
 from eventstore.producer import EventProducer
-from eventstore.replay import ReplayReader
 from eventstore.settings import KafkaSettings
-from eventstore.topics import TopicLayout, ensure_topics
-from schemas.messages import Event, StepStarted, StepSucceeded, TaskAccepted, TaskCompleted, new_id, now
+from eventstore.topics import TopicLayout
+from projections.settings import StoreSettings
+from projections.store import SqliteStore
+from schemas.messages import SubmitTask
+from stepstream.up import wait_until_up
+
+TERMINAL = {"completed", "error", "rejected", "compensated", "compensation_failed"}
 
 
-def _sample_history(task_id: str) -> list[Event]:
-    common: dict[str, Any] = {"task_id": task_id, "workflow": "orders", "workflow_version": 1, "causation_id": new_id()}
-    events: list[Event] = [TaskAccepted(sequence=1, input={"sku": "A-1", "qty": 2}, input_digest="demo", **common)]
-    for index, step in enumerate(("reserve", "charge", "ship")):
-        attempt_id = f"{task_id}:{step}:1"
-        events.append(StepStarted(sequence=len(events) + 1, step=step, step_index=index, attempt=1,
-                                  attempt_id=attempt_id, complete_by=now(), calls_allowed=3, **common))
-        events.append(StepSucceeded(sequence=len(events) + 1, step=step, attempt_id=attempt_id,
-                                    output={"ok": True}, calls=1, **common))
-    events.append(TaskCompleted(sequence=len(events) + 1, output={"status": "shipped"}, **common))
-    return events
+def _orders(run_id: str, count: int) -> list[SubmitTask]:
+    orders = [
+        SubmitTask(task_id=f"order-{run_id}-{i:03d}", workflow="orders", submitter="demo",
+                   input={"order_id": f"{run_id}-{i:03d}", "sku": f"SKU-{i % 5}", "qty": 1 + i % 3,
+                          "amount": 10 + i})
+        for i in range(count - 1)
+    ]
+    # One order the service refuses for good (qty 0): it must end in error without retries.
+    orders.append(SubmitTask(task_id=f"order-{run_id}-bad", workflow="orders", submitter="demo",
+                             input={"order_id": f"{run_id}-bad", "sku": "SKU-0", "qty": 0, "amount": 5}))
+    return orders
 
 
-def run_demo(tasks: int = 20) -> int:
+def run_demo(tasks: int = 20, timeout_s: float = 180.0) -> int:
     console = Console()
-    settings = KafkaSettings()
-    if settings.bootstrap_servers:
-        bootstrap = settings.bootstrap_servers
-        console.print(f"using the cluster at {bootstrap}")
-    else:
-        broker = LocalBroker(settings.home)
+    kafka = KafkaSettings()
+    home = kafka.home.resolve()
+    log_path = home / "logs" / "up.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    console.print("starting the system (broker, order service, projector, scheduler, agents, supervisor)...")
+    with open(log_path, "ab") as log:
+        up = subprocess.Popen([sys.executable, "-m", "stepstream", "up"], stdout=log, stderr=subprocess.STDOUT,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        state = wait_until_up(home)
+        return _run(console, kafka, home, state, tasks, timeout_s)
+    finally:
+        up.send_signal(signal.SIGTERM)
+        code = up.wait(timeout=120)
+        stopped = [line for line in log_path.read_text().splitlines() if line.startswith("stopped:")]
+        console.print(f"system stopped with SIGTERM (exit {code}); {stopped[-1] if stopped else ''}",
+                      highlight=False)
+
+
+def _run(console: Console, kafka: KafkaSettings, home: Path, state: dict[str, object], tasks: int,
+         timeout_s: float) -> int:
+    bootstrap, service_url = str(state["bootstrap"]), str(state["service_url"])
+    console.print(f"up: kafka {bootstrap}, order service {service_url}", highlight=False)
+    with OrdersAdmin(service_url) as admin:
+        admin.set_faults(latency_ms=20, error_rate=0.2, throttle_rate=0.1, retry_after_s=1)
+        console.print("faults on: 20% server errors, 10% throttling (429, Retry-After 1s), 20 ms latency")
+        orders = _orders(uuid.uuid4().hex[:6], tasks)
+        producer = EventProducer(bootstrap)
+        layout = TopicLayout.from_settings(kafka)
+        for order in orders:
+            producer.send(layout.inbox, order)
+        producer.flush()
+        console.print(f"submitted {len(orders)} orders to {layout.inbox}")
+
+        store = SqliteStore(StoreSettings().sqlite_path(home))
+        ids = [o.task_id for o in orders]
         started = time.monotonic()
-        info = broker.start()
-        bootstrap = info.bootstrap_servers
-        console.print(f"local Kafka {info.bootstrap_servers} (pid {info.pid}) ready in "
-                      f"{time.monotonic() - started:.1f}s; log: {broker.log_file}")
-    layout = TopicLayout.from_settings(settings)
-    created = ensure_topics(AdminClient({"bootstrap.servers": bootstrap}), layout.core_specs())
-    console.print(f"topics: {', '.join(s.name for s in layout.core_specs())}"
-                  f" ({len(created)} created now)")
+        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                      TimeElapsedColumn(), console=console) as progress:
+            bar = progress.add_task("tasks finished", total=len(ids))
+            rows: dict[str, dict[str, Any] | None] = {}
+            while time.monotonic() - started < timeout_s:
+                rows = {t: store.task(t) for t in ids}
+                done = sum(1 for r in rows.values() if r and r["status"] in TERMINAL)
+                progress.update(bar, completed=done)
+                if done == len(ids):
+                    break
+                time.sleep(0.3)
+        elapsed = time.monotonic() - started
+        calls = admin.calls()
+        _print_table(console, ids, rows)
+        store.close()
 
-    run_id = new_id()[:8]
-    producer = EventProducer(bootstrap)
-    appended = 0
-    started = time.monotonic()
-    for i in range(tasks):
-        for event in _sample_history(f"demo-{run_id}-{i:03d}"):
-            producer.send(layout.events, event)
-            appended += 1
-    producer.flush()
-    console.print(f"appended {appended} events for {tasks} tasks in {time.monotonic() - started:.2f}s")
+    counts: dict[str, int] = {}
+    for row in rows.values():
+        status = row["status"] if row else "unknown"
+        counts[status] = counts.get(status, 0) + 1
+    requests = sum(sum(keys.values()) for keys in calls["requests"].values())
+    applied = sum(sum(keys.values()) for keys in calls["applied"].values())
+    duplicates = sum(1 for keys in calls["applied"].values() for n in keys.values() if n > 1)
+    console.print(f"{len(ids)} tasks in {elapsed:.1f}s: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
+    console.print(f"order service: {requests} requests, {applied} side effects applied, "
+                  f"{duplicates} applied twice (idempotency keys hold)")
+    finished = sum(n for s, n in counts.items() if s in TERMINAL)
+    return 0 if finished == len(ids) and duplicates == 0 else 1
 
-    started = time.monotonic()
-    reader = ReplayReader(bootstrap, layout.events)
-    histories: dict[str, list[str]] = defaultdict(list)
-    for record in reader:
-        if record.message.task_id.startswith(f"demo-{run_id}-"):
-            histories[record.message.task_id].append(type(record.message).__name__)
-    console.print(f"replayed {reader.stats.records} events from {layout.events} "
-                  f"in {time.monotonic() - started:.2f}s")
 
-    table = Table(title=f"replayed histories of this run ({len(histories)} tasks, first 5 shown)")
-    table.add_column("task")
-    table.add_column("events, in order")
-    for task_id in sorted(histories)[:5]:
-        table.add_row(task_id, " → ".join(histories[task_id]))
+def _print_table(console: Console, ids: list[str], rows: dict[str, dict[str, Any] | None]) -> None:
+    table = Table(title="how each order ended")
+    for column in ("task", "status", "attempts per step", "failures", "error"):
+        table.add_column(column)
+    for task_id in ids:
+        row = rows.get(task_id)
+        if row is None:
+            table.add_row(task_id, "not seen", "", "", "")
+            continue
+        attempts = " ".join(f"{s['step']}×{s['attempt']}" for s in row.get("steps") or [])
+        style = {"completed": "green", "error": "red"}.get(str(row["status"]), "yellow")
+        table.add_row(task_id, f"[{style}]{row['status']}[/{style}]", attempts, str(row["failure_count"]),
+                      str(row["error"] or "")[:60])
     console.print(table)
-    in_order = all(len(h) == 8 and h[0] == "TaskAccepted" and h[-1] == "TaskCompleted" for h in histories.values())
-    console.print("every task's history came back complete and in order" if in_order and len(histories) == tasks
-                  else "[red]some histories are incomplete[/red]")
-    return 0 if in_order and len(histories) == tasks else 1

@@ -10,6 +10,7 @@ import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from confluent_kafka.admin import AdminClient
@@ -84,3 +85,17 @@ def test_env(bootstrap: str, layout: TopicLayout, tmp_path: Path) -> dict[str, s
         "STEPSTREAM_CONSUMER_RETRY_MAX_BACKOFF_S": "0.5",
         "PYTHONUNBUFFERED": "1",
     }
+
+
+@pytest.fixture
+def system(bootstrap: str, layout: TopicLayout, test_env: dict[str, str], tmp_path: Path) -> Iterator[Any]:
+    """A whole system (every service as a process, the order service over HTTP); nothing started yet."""
+    from agents.orders_client import ServiceProcess
+    from tests.system import System
+
+    with ServiceProcess(log_path=tmp_path / "orders-service.log") as service:
+        system = System(bootstrap, layout, test_env, tmp_path, service)
+        try:
+            yield system
+        finally:
+            system.stop()

@@ -1,0 +1,61 @@
+"""Agents that call an HTTP service, and how they read its answers.
+
+Timeouts, connection errors, 429 and 5xx are transient; a 409 means a newer attempt already reached
+the service (fencing) and every other 4xx is a permanent refusal. ``Retry-After`` is passed on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from agents.runtime import AgentHandler, Call, PermanentError, TransientError
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    value = response.headers.get("Retry-After")
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:
+        return None
+
+
+def request_body(step_input: dict[str, Any]) -> dict[str, Any]:
+    """The task's input with the outputs of the steps done so far (a later step may need an earlier id)."""
+    body: dict[str, Any] = {}
+    for output in (step_input.get("steps") or {}).values():
+        if isinstance(output, dict):
+            body.update(output)
+    body.update(step_input.get("task") or {})
+    return body
+
+
+def http_post_handler(base_url: str, path: str, client: httpx.Client | None = None) -> AgentHandler:
+    """A handler that POSTs the step's data to ``base_url/path`` with the idempotency key and attempt."""
+    http = client or httpx.Client(base_url=base_url)
+    url = f"{base_url.rstrip('/')}/{path.lstrip('/')}"
+
+    def call(request: Call) -> dict[str, Any]:
+        try:
+            response = http.post(
+                url,
+                json=request_body(request.request.input),
+                headers={"Idempotency-Key": request.idempotency_key, "X-Attempt": str(request.attempt)},
+                timeout=request.timeout_s,
+            )
+        except httpx.TimeoutException as exc:
+            raise TransientError(f"{path}: timed out after {request.timeout_s:.1f}s", kind="timeout") from exc
+        except httpx.TransportError as exc:
+            raise TransientError(f"{path}: {type(exc).__name__}: {exc}", kind="connection") from exc
+        if response.status_code == 429:
+            raise TransientError(f"{path}: throttled (429)", retry_after_s=_retry_after(response), kind="throttled")
+        if response.status_code >= 500:
+            raise TransientError(f"{path}: server error {response.status_code}", retry_after_s=_retry_after(response),
+                                 kind="server_error")
+        if response.status_code >= 400:
+            raise PermanentError(f"{path}: refused with {response.status_code}: {response.text[:300]}")
+        body = response.json()
+        return body if isinstance(body, dict) else {"result": body}
+
+    return call

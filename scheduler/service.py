@@ -1,0 +1,187 @@
+"""``stepstream run scheduler``: the I/O around the decider.
+
+For each batch from ``inbox`` it decides, appends the events to ``events`` (on the inbox record's own
+partition number, so a task's commands and history always share a partition), sends the agent requests
+and status updates those events call for, and commits the inbox offsets, all in one Kafka transaction.
+Owning an inbox partition in the consumer group is the lock on its tasks; before handling any command of
+a newly assigned partition it restores that partition's tasks by folding ``events``.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from datetime import UTC, datetime
+
+import structlog
+from confluent_kafka import TopicPartition
+from confluent_kafka.admin import AdminClient
+from prometheus_client import Gauge
+
+from eventstore.errors import PoisonMessageError
+from eventstore.producer import EventProducer
+from eventstore.replay import ReplayReader
+from eventstore.runtime import ConsumerRuntime, Record
+from eventstore.settings import ConsumerSettings, KafkaSettings
+from eventstore.topics import TopicLayout, TopicSpec, ensure_topics
+from scheduler.decider import Limits, TaskState, decide, evolve
+from scheduler.workflow import WorkflowRegistry
+from schemas.messages import (
+    AgentRequest,
+    Event,
+    Message,
+    RecoverStep,
+    StatusUpdate,
+    StepFailed,
+    StepResult,
+    StepStarted,
+    StepSucceeded,
+    SubmitTask,
+    TaskAccepted,
+    TaskCompleted,
+    TaskFailed,
+    TaskRejected,
+)
+
+log = structlog.get_logger("stepstream.scheduler")
+
+IN_FLIGHT = Gauge("stepstream_tasks_in_flight", "Non-terminal tasks owned by this scheduler", ["partition"])
+
+_STATUS_OF: dict[type[Event], str] = {
+    TaskAccepted: "received",
+    TaskRejected: "rejected",
+    StepSucceeded: "step_succeeded",
+    StepFailed: "step_failed",
+    TaskCompleted: "completed",
+    TaskFailed: "failed",
+}
+
+
+class Scheduler:
+    """Holds the state of the tasks on the partitions it owns; everything else is the decider's."""
+
+    def __init__(self, *, bootstrap: str, layout: TopicLayout, registry: WorkflowRegistry, limits: Limits) -> None:
+        self.bootstrap = bootstrap
+        self.layout = layout
+        self.registry = registry
+        self.limits = limits
+        self._tasks: dict[int, dict[str, TaskState]] = {}
+        self._admin = AdminClient({"bootstrap.servers": bootstrap})
+        self._known_topics: set[str] = set()
+
+    # -- commands -----------------------------------------------------------------------------
+
+    def handle(self, record: Record, output: EventProducer) -> None:
+        command = record.message
+        if not isinstance(command, (SubmitTask, StepResult, RecoverStep)):
+            raise PoisonMessageError(f"{type(command).__name__} is not a command the scheduler takes")
+        tasks = self._tasks.setdefault(record.partition, {})
+        state = tasks.get(command.task_id)
+        decision = decide(command, state, registry=self.registry, now=datetime.now(UTC),
+                          in_flight=self.in_flight(record.partition), limits=self.limits)
+        for event in decision.events:
+            state = evolve(state, event)
+            output.send(self.layout.events, event, partition=record.partition)
+            self._effects(event, state, command, output)
+        if state is not None:
+            tasks[command.task_id] = state
+        IN_FLIGHT.labels(str(record.partition)).set(self.in_flight(record.partition))
+        if decision.dead_letter is not None:
+            # The alert event (if any) is already in this transaction; the command itself is dead-lettered.
+            raise PoisonMessageError(decision.dead_letter)
+
+    def in_flight(self, partition: int) -> int:
+        return sum(1 for state in self._tasks.get(partition, {}).values() if not state.is_terminal)
+
+    def _effects(self, event: Event, state: TaskState, command: Message, output: EventProducer) -> None:
+        if isinstance(event, StepStarted):
+            workflow = self.registry.get(state.workflow, state.workflow_version)
+            step = workflow.step(event.step)
+            self._ensure_topic(TopicSpec(self.layout.agent(step.agent), self.layout.partitions))
+            output.send(self.layout.agent(step.agent), AgentRequest(
+                task_id=state.task_id, step=event.step, attempt=event.attempt, attempt_id=event.attempt_id,
+                idempotency_key=f"{state.task_id}:{event.step}", complete_by=event.complete_by,
+                calls_allowed=event.calls_allowed, input=state.step_input(),
+            ))
+            return
+        status = _STATUS_OF.get(type(event))
+        reply_topic = self._reply_topic(state, command)
+        if status is None or reply_topic is None:
+            return
+        detail = getattr(event, "step", None) or getattr(event, "reason", None)
+        output.send(reply_topic, StatusUpdate(task_id=state.task_id, status=status,  # type: ignore[arg-type]
+                                              detail=detail))
+
+    def _reply_topic(self, state: TaskState, command: Message) -> str | None:
+        """A submitter's private topic. Only names under this deployment's status prefix are served."""
+        topic = state.reply_topic
+        submitter = state.submitter
+        if isinstance(command, SubmitTask) and topic is None and submitter is None:
+            topic, submitter = command.reply_topic, command.submitter
+        if topic is None and submitter is not None:
+            topic = self.layout.status(submitter)
+        if topic is None:
+            return None
+        if not topic.startswith(self.layout.status("")):
+            log.warning("reply topic outside the status prefix ignored", task_id=state.task_id, topic=topic)
+            return None
+        self._ensure_topic(TopicSpec(topic, self.layout.partitions))
+        return topic
+
+    def _ensure_topic(self, spec: TopicSpec) -> None:
+        """Agent and status topics appear with their first message; a missing topic would fail the batch."""
+        if spec.name not in self._known_topics:
+            ensure_topics(self._admin, [spec], self.layout.replication_factor)
+            self._known_topics.add(spec.name)
+
+    # -- partition ownership ------------------------------------------------------------------
+
+    def restore(self, partitions: list[TopicPartition]) -> None:
+        """Fold ``events`` of each newly owned partition before any of its commands is handled."""
+        for tp in partitions:
+            tasks: dict[str, TaskState] = {}
+            reader = ReplayReader(self.bootstrap, self.layout.events, partitions=[tp.partition])
+            for record in reader:
+                if isinstance(record.message, Event):
+                    tasks[record.message.task_id] = evolve(tasks.get(record.message.task_id), record.message)
+            self._tasks[tp.partition] = tasks
+            IN_FLIGHT.labels(str(tp.partition)).set(self.in_flight(tp.partition))
+            log.info("partition restored", partition=tp.partition, tasks=len(tasks),
+                     in_flight=self.in_flight(tp.partition), events=reader.stats.records)
+
+    def forget(self, partitions: list[TopicPartition]) -> None:
+        for tp in partitions:
+            self._tasks.pop(tp.partition, None)
+
+    def restore_all(self) -> None:
+        """After an aborted transaction the in-memory state ran ahead of the log: rebuild it."""
+        owned = [TopicPartition(self.layout.inbox, p) for p in list(self._tasks)]
+        self._tasks.clear()
+        self.restore(owned)
+
+
+def build_scheduler(kafka: KafkaSettings, consumer: ConsumerSettings, registry: WorkflowRegistry,
+                    limits: Limits, instance: str | None = None,
+                    stop_event: threading.Event | None = None) -> ConsumerRuntime:
+    layout = TopicLayout.from_settings(kafka)
+    bootstrap = kafka.resolved_bootstrap()
+    scheduler = Scheduler(bootstrap=bootstrap, layout=layout, registry=registry, limits=limits)
+    # A stable instance name lets a restarted scheduler fence its own zombie at once.
+    transactional_id = f"{layout.prefix}scheduler-{instance or uuid.uuid4().hex}"
+
+    def on_assign(partitions: list[TopicPartition]) -> None:
+        scheduler.restore(partitions)
+
+    return ConsumerRuntime(
+        bootstrap=bootstrap,
+        group_id=f"{layout.prefix}scheduler",
+        topics=[layout.inbox],
+        handler=scheduler.handle,
+        dlq_topic=layout.dlq,
+        settings=consumer,
+        transactional_id=transactional_id,
+        on_assign=on_assign,
+        on_revoke=scheduler.forget,
+        on_abort=scheduler.restore_all,
+        stop_event=stop_event,
+    )

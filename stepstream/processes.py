@@ -1,0 +1,88 @@
+"""Service processes started and stopped as a group: by ``stepstream up``, the demo and the tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class ServiceProcesses:
+    """Named child processes; each logs to ``<log_dir>/<name>.log``."""
+
+    env: dict[str, str]
+    log_dir: Path
+    cwd: Path | None = None
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
+        """Start ``python -m <args>`` under ``name``; a process of that name still running is an error."""
+        running = self.procs.get(name)
+        if running is not None and running.poll() is None:
+            raise RuntimeError(f"{name} is already running (pid {running.pid})")
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_dir / f"{name}.log", "ab") as log:
+            proc = subprocess.Popen([sys.executable, "-m", *args], env=self.env, stdout=log,
+                                    stderr=subprocess.STDOUT, cwd=self.cwd)
+        self.procs[name] = proc
+        return proc
+
+    def service(self, name: str, *args: str) -> subprocess.Popen[bytes]:
+        """Start a ``stepstream run ...`` service."""
+        return self.start(name, "stepstream", "run", *args)
+
+    def wait_started(self, name: str, marker: str = "service starting", timeout_s: float = 60.0) -> None:
+        """Wait until the process logged ``marker``: from then on it handles SIGTERM by draining."""
+        deadline = time.monotonic() + timeout_s
+        while marker not in self.log(name):
+            if not self.alive(name):
+                raise RuntimeError(f"{name} exited with {self.procs[name].returncode}:\n{self.log(name)[-3000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} did not start within {timeout_s}s")
+            time.sleep(0.05)
+
+    def signal(self, name: str, signum: signal.Signals) -> None:
+        self.procs[name].send_signal(signum)
+
+    def kill(self, name: str) -> None:
+        proc = self.procs[name]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+
+    def terminate(self, name: str, timeout_s: float = 60.0) -> int:
+        """SIGTERM and wait for the drain; returns the exit code (SIGKILL past the timeout)."""
+        proc = self.procs[name]
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+            return -9
+
+    def terminate_all(self, timeout_s: float = 60.0) -> dict[str, int]:
+        """Stop every process, newest first, all signalled before any is waited for."""
+        for proc in reversed(list(self.procs.values())):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        return {name: self.terminate(name, timeout_s) for name in reversed(list(self.procs))}
+
+    def alive(self, name: str) -> bool:
+        proc = self.procs.get(name)
+        return proc is not None and proc.poll() is None
+
+    def log(self, name: str) -> str:
+        path = self.log_dir / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+
+def child_env(**overrides: str) -> dict[str, str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.update(overrides)
+    return env

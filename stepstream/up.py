@@ -1,0 +1,82 @@
+"""``stepstream up``: a whole local system in one command, stopped cleanly by SIGTERM or Ctrl-C.
+
+It starts the local broker if no cluster is configured, the demo's order service, and every service as
+its own process (projector, scheduler, one agent per agent the workflows name, supervisor), then waits.
+On SIGTERM it drains them newest first and reports each exit code.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from confluent_kafka.admin import AdminClient
+from rich.console import Console
+
+from agents.orders_client import ServiceProcess
+from agents.shipped import ORDER_OPERATIONS
+from eventstore.broker import LocalBroker
+from eventstore.settings import ConsumerSettings, KafkaSettings
+from eventstore.shutdown import GracefulShutdown
+from eventstore.topics import TopicLayout, ensure_topics
+from scheduler.settings import SchedulerSettings
+from stepstream.processes import ServiceProcesses, child_env
+
+READY_MARKER = "stepstream is up"
+
+
+def up_state_file(home: Path) -> Path:
+    return home / "up.json"
+
+
+def run_up(service_port: int | None = None) -> int:
+    console = Console(stderr=True)
+    stop = GracefulShutdown(ConsumerSettings().drain_timeout_s * 2).install().event
+    kafka = KafkaSettings()
+    home = kafka.home.resolve()
+    bootstrap = kafka.bootstrap_servers or LocalBroker(home).start().bootstrap_servers
+    layout = TopicLayout.from_settings(kafka)
+    ensure_topics(AdminClient({"bootstrap.servers": bootstrap}), layout.core_specs(), kafka.replication_factor)
+    agents = sorted(SchedulerSettings().load_registry().agents & ORDER_OPERATIONS.keys())
+
+    service = ServiceProcess(port=service_port, state_file=home / "orders-service.json",
+                             log_path=home / "logs" / "orders-service.log").start()
+    procs = ServiceProcesses(child_env(STEPSTREAM_BOOTSTRAP_SERVERS=bootstrap, STEPSTREAM_HOME=str(home),
+                                       STEPSTREAM_AGENT_SERVICE_URL=service.base_url), home / "logs")
+    names = ["projector", "scheduler", *agents, "supervisor"]
+    dead: list[str] = []
+    try:
+        for name in names:
+            procs.service(name, *(("agent", name) if name in agents else (name,)))
+        for name in names:
+            procs.wait_started(name)
+        up_state_file(home).write_text(json.dumps({
+            "bootstrap": bootstrap, "service_url": service.base_url, "topic_prefix": layout.prefix,
+            "pids": {name: proc.pid for name, proc in procs.procs.items()},
+        }))
+        console.print(f"{READY_MARKER}: kafka {bootstrap}, order service {service.base_url}, "
+                      f"services {', '.join(names)}; logs in {home / 'logs'}", highlight=False)
+        while not stop.wait(0.5):
+            dead = [name for name in names if not procs.alive(name)]
+            if dead:
+                console.print(f"[red]{', '.join(dead)} exited unexpectedly; stopping everything[/red]")
+                break
+    finally:
+        codes = procs.terminate_all()
+        service.stop()
+        up_state_file(home).unlink(missing_ok=True)
+    console.print("stopped: " + ", ".join(f"{name} exit {code}" for name, code in codes.items()), highlight=False)
+    return 0 if not dead and all(code == 0 for code in codes.values()) else 1
+
+
+def wait_until_up(home: Path, timeout_s: float = 120.0) -> dict[str, object]:
+    """For callers that started ``stepstream up`` in the background: its state once every service runs."""
+    deadline = time.monotonic() + timeout_s
+    path = up_state_file(home.resolve())
+    while time.monotonic() < deadline:
+        if path.exists():
+            state: dict[str, object] = json.loads(path.read_text())
+            return state
+        time.sleep(0.2)
+    raise TimeoutError(f"stepstream up did not come up within {timeout_s}s")

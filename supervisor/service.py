@@ -1,0 +1,122 @@
+"""``stepstream run supervisor``: finds attempts whose deadline passed and asks the scheduler to recover them.
+
+Leadership is ownership of partition 0 of ``supervisor-lease`` in the supervisors' consumer group: Kafka's
+group protocol gives it to exactly one live member, and hands it over when that member dies or leaves.
+Only the leader scans. It only requests (a ``RecoverStep`` naming the expired attempt); the scheduler
+decides, and a request naming an attempt that is no longer current changes nothing, so a duplicate
+request from a leader hand-over is harmless.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from datetime import UTC, datetime, timedelta
+
+import structlog
+from confluent_kafka import Consumer, TopicPartition
+from prometheus_client import Counter, Gauge
+
+from eventstore.producer import EventProducer
+from eventstore.settings import KafkaSettings
+from eventstore.topics import TopicLayout
+from projections.store import SqliteStore
+from schemas.messages import RecoverStep
+from supervisor.settings import SupervisorSettings
+
+log = structlog.get_logger("stepstream.supervisor")
+
+IS_LEADER = Gauge("stepstream_supervisor_leader", "1 while this supervisor holds the lease")
+RECOVERIES = Counter("stepstream_supervisor_recoveries_total", "Recovery commands sent")
+
+
+class Supervisor:
+    def __init__(self, *, bootstrap: str, layout: TopicLayout, store: SqliteStore, cadence_s: float = 5.0,
+                 window_s: float = 24 * 3600, page_size: int = 200, resend_after_s: float = 30.0,
+                 session_timeout_ms: int = 10000, stop_event: threading.Event | None = None) -> None:
+        self.layout = layout
+        self.store = store
+        self.cadence_s = cadence_s
+        self.window = timedelta(seconds=window_s)
+        self.page_size = page_size
+        self.resend_after_s = resend_after_s
+        self.leader = False
+        self.instance = uuid.uuid4().hex[:12]
+        self._stop = stop_event or threading.Event()
+        self._sent: dict[str, float] = {}
+        self._producer = EventProducer(bootstrap)
+        self._lease = Consumer({
+            "bootstrap.servers": bootstrap,
+            "group.id": f"{layout.prefix}supervisor",
+            "enable.auto.commit": False,
+            "session.timeout.ms": session_timeout_ms,
+            "heartbeat.interval.ms": max(100, session_timeout_ms // 5),
+        })
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self) -> None:
+        self._lease.subscribe([self.layout.supervisor_lease], on_assign=self._on_assign,
+                              on_revoke=self._on_revoke, on_lost=self._on_revoke)
+        next_scan = 0.0
+        try:
+            while not self._stop.is_set():
+                self._lease.consume(1, 0.1)  # keeps the membership (and so the lease) alive
+                if self.leader and time.monotonic() >= next_scan:
+                    self.scan()
+                    next_scan = time.monotonic() + self.cadence_s
+        finally:
+            self._lease.close()  # leaving the group hands the lease over at once
+            self._producer.flush()
+            IS_LEADER.set(0)
+            log.info("supervisor stopped")
+
+    def scan(self, now: datetime | None = None) -> int:
+        """One bounded pass: expired attempts inside the window, a page at a time. Returns requests sent."""
+        now = now or datetime.now(UTC)
+        after: tuple[int, str, str] | None = None
+        sent = 0
+        clock = time.monotonic()
+        while not self._stop.is_set():
+            page = self.store.expired_steps(now, not_before=now - self.window, after=after, limit=self.page_size)
+            for step in page:
+                last = self._sent.get(step.attempt_id)
+                if last is not None and clock - last < self.resend_after_s:
+                    continue  # asked recently; the projection has not caught up yet
+                command = RecoverStep(task_id=step.task_id, attempt_id=step.attempt_id, reason="deadline expired")
+                self._producer.send(self.layout.inbox, command,
+                                    headers=[("stepstream.supervisor", self.instance.encode())])
+                self._sent[step.attempt_id] = clock
+                sent += 1
+            if len(page) < self.page_size:
+                break
+            last_step = page[-1]
+            after = (last_step.complete_by_ms, last_step.task_id, last_step.step)
+        self._producer.flush()
+        self._sent = {k: v for k, v in self._sent.items() if clock - v < self.resend_after_s}
+        if sent:
+            RECOVERIES.inc(sent)
+            log.info("recovery requested", count=sent)
+        return sent
+
+    def _on_assign(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        if any(tp.partition == 0 for tp in partitions):
+            self.leader = True
+            IS_LEADER.set(1)
+            log.info("leadership acquired", instance=self.instance)
+
+    def _on_revoke(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        if any(tp.partition == 0 for tp in partitions):
+            self.leader = False
+            IS_LEADER.set(0)
+            log.info("leadership lost")
+
+
+def build_supervisor(kafka: KafkaSettings, settings: SupervisorSettings, store: SqliteStore,
+                     stop_event: threading.Event | None = None) -> Supervisor:
+    return Supervisor(bootstrap=kafka.resolved_bootstrap(), layout=TopicLayout.from_settings(kafka), store=store,
+                      cadence_s=settings.cadence_s, window_s=settings.window_s, page_size=settings.page_size,
+                      resend_after_s=settings.resend_after_s, session_timeout_ms=settings.session_timeout_ms,
+                      stop_event=stop_event)

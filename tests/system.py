@@ -1,0 +1,106 @@
+"""A whole stepstream system for end-to-end tests: real broker, real order service, real processes."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from agents.orders_client import OrdersAdmin, ServiceProcess
+from eventstore.producer import EventProducer
+from eventstore.replay import ReplayReader
+from eventstore.topics import TopicLayout
+from schemas.messages import Event, SubmitTask
+from stepstream.processes import ServiceProcesses
+
+TERMINAL = {"completed", "error", "rejected", "compensated", "compensation_failed"}
+AGENTS = ("inventory", "payments", "shipping")
+
+
+class System:
+    def __init__(self, bootstrap: str, layout: TopicLayout, env: dict[str, str], tmp: Path,
+                 service: ServiceProcess) -> None:
+        self.bootstrap = bootstrap
+        self.layout = layout
+        self.service = service
+        self.admin: OrdersAdmin = service.admin()
+        self.store_path = tmp / "state.db"
+        self.env = {
+            **env,
+            "STEPSTREAM_AGENT_SERVICE_URL": service.base_url,
+            "STEPSTREAM_AGENT_INITIAL_BACKOFF_S": "0.05",
+            "STEPSTREAM_AGENT_MAX_BACKOFF_S": "0.3",
+            "STEPSTREAM_AGENT_CALL_TIMEOUT_S": "1.5",
+            "STEPSTREAM_SCHEDULER_WORKFLOWS": "tests.workflows:REGISTRY",
+            "STEPSTREAM_STORE_PATH": str(self.store_path),
+            "STEPSTREAM_SUPERVISOR_CADENCE_S": "0.3",
+            "STEPSTREAM_SUPERVISOR_RESEND_AFTER_S": "2",
+            "STEPSTREAM_SUPERVISOR_SESSION_TIMEOUT_MS": "6000",
+            "STEPSTREAM_LOG_JSON": "true",
+        }
+        self.procs = ServiceProcesses(self.env, tmp / "logs", cwd=Path(__file__).parent.parent)
+        self.producer = EventProducer(bootstrap)
+
+    def start(self, *names: str) -> None:
+        """Start services by name: scheduler, projector, supervisor, or an agent's name."""
+        chosen = names or ("projector", "scheduler", *AGENTS, "supervisor")
+        for name in chosen:
+            self.restart(name, wait=False)
+        for name in chosen:
+            self.procs.wait_started(name)
+
+    def restart(self, name: str, *, wait: bool = True) -> None:
+        """(Re)start one service by its name; with ``wait``, return once it handles SIGTERM."""
+        kind = name.split("-")[0]
+        self.procs.service(name, *(("agent", name) if name in AGENTS else (kind,)))
+        if wait:
+            self.procs.wait_started(name)
+
+    def submit(self, task_id: str, input: dict[str, Any] | None = None, *, version: int | None = None,
+               workflow: str = "orders", submitter: str | None = None) -> SubmitTask:
+        command = SubmitTask(task_id=task_id, workflow=workflow, workflow_version=version,
+                             input=input or {"order_id": task_id, "sku": "A-1", "qty": 1, "amount": 10},
+                             submitter=submitter)
+        self.producer.send(self.layout.inbox, command)
+        self.producer.flush()
+        return command
+
+    def task(self, task_id: str) -> dict[str, Any] | None:
+        if not self.store_path.exists():
+            return None
+        with sqlite3.connect(self.store_path, timeout=10) as db:
+            db.row_factory = sqlite3.Row
+            try:
+                row = db.execute("select * from tasks where task_id = ?", (task_id,)).fetchone()
+            except sqlite3.OperationalError:
+                return None
+            return dict(row) if row else None
+
+    def wait_terminal(self, task_ids: Iterable[str], timeout_s: float = 60.0) -> dict[str, str]:
+        ids = list(task_ids)
+        deadline = time.monotonic() + timeout_s
+        statuses: dict[str, str] = {}
+        while time.monotonic() < deadline:
+            statuses = {t: (self.task(t) or {}).get("status", "unknown") for t in ids}
+            if all(s in TERMINAL for s in statuses.values()):
+                return statuses
+            time.sleep(0.2)
+        raise AssertionError(f"not terminal after {timeout_s}s: "
+                             f"{ {t: s for t, s in statuses.items() if s not in TERMINAL} }\n{self.logs_tail()}")
+
+    def events(self, task_id: str | None = None) -> list[Event]:
+        out = []
+        for record in ReplayReader(self.bootstrap, self.layout.events):
+            if isinstance(record.message, Event) and (task_id is None or record.message.task_id == task_id):
+                out.append(record.message)
+        return out
+
+    def logs_tail(self, chars: int = 3000) -> str:
+        return "\n".join(f"--- {name} ---\n{self.procs.log(name)[-chars:]}" for name in self.procs.procs)
+
+    def stop(self) -> dict[str, int]:
+        codes = self.procs.terminate_all()
+        self.admin.close()
+        return codes

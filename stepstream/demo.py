@@ -47,7 +47,7 @@ def _orders(run_id: str, count: int) -> list[SubmitTask]:
 
 
 def run_demo(tasks: int = 20, timeout_s: float = 180.0) -> int:
-    console = Console()
+    console = Console(width=max(Console().width, 140))
     kafka = KafkaSettings()
     home = kafka.home.resolve()
     log_path = home / "logs" / "up.log"
@@ -105,9 +105,11 @@ def _run(console: Console, kafka: KafkaSettings, home: Path, state: dict[str, ob
     for row in rows.values():
         status = row["status"] if row else "unknown"
         counts[status] = counts.get(status, 0) + 1
-    requests = sum(sum(keys.values()) for keys in calls["requests"].values())
-    applied = sum(sum(keys.values()) for keys in calls["applied"].values())
-    duplicates = sum(1 for keys in calls["applied"].values() for n in keys.values() if n > 1)
+    ours = tuple(f"{task_id}:" for task_id in ids)  # idempotency keys are "<task id>:<step>"
+    requests = sum(n for keys in calls["requests"].values() for key, n in keys.items() if key.startswith(ours))
+    applied = sum(n for keys in calls["applied"].values() for key, n in keys.items() if key.startswith(ours))
+    duplicates = sum(1 for keys in calls["applied"].values() for key, n in keys.items()
+                     if key.startswith(ours) and n > 1)
     console.print(f"{len(ids)} tasks in {elapsed:.1f}s: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
     console.print(f"order service: {requests} requests, {applied} side effects applied, "
                   f"{duplicates} applied twice (idempotency keys hold)")
@@ -124,8 +126,8 @@ def _print_table(console: Console, ids: list[str], rows: dict[str, dict[str, Any
         if row is None:
             table.add_row(task_id, "not seen", "", "", "")
             continue
-        attempts = " ".join(f"{s['step']}×{s['attempt']}" for s in row.get("steps") or [])
+        attempts = " ".join(f"{s['step']}:{s['attempt']}" for s in row.get("steps") or [])
         style = {"completed": "green", "error": "red"}.get(str(row["status"]), "yellow")
         table.add_row(task_id, f"[{style}]{row['status']}[/{style}]", attempts, str(row["failure_count"]),
-                      str(row["error"] or "")[:60])
+                      str(row["error"] or "")[:70])
     console.print(table)

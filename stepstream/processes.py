@@ -19,6 +19,7 @@ class ServiceProcesses:
     log_dir: Path
     cwd: Path | None = None
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    _terminated: set[int] = field(default_factory=set)
 
     def start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
         """Start ``python -m <args>`` under ``name``; a process of that name still running is an error."""
@@ -55,10 +56,13 @@ class ServiceProcesses:
         proc.wait(timeout=10)
 
     def terminate(self, name: str, timeout_s: float = 60.0) -> int:
-        """SIGTERM and wait for the drain; returns the exit code (SIGKILL past the timeout)."""
+        """SIGTERM once and wait for the drain; returns the exit code (SIGKILL past the timeout).
+
+        Never a second SIGTERM: a process already past its drain, in interpreter shutdown, no longer
+        has its handler and would die of it.
+        """
+        self._signal_once(name)
         proc = self.procs[name]
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
         try:
             return proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -68,10 +72,15 @@ class ServiceProcesses:
 
     def terminate_all(self, timeout_s: float = 60.0) -> dict[str, int]:
         """Stop every process, newest first, all signalled before any is waited for."""
-        for proc in reversed(list(self.procs.values())):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+        for name in reversed(list(self.procs)):
+            self._signal_once(name)
         return {name: self.terminate(name, timeout_s) for name in reversed(list(self.procs))}
+
+    def _signal_once(self, name: str) -> None:
+        proc = self.procs[name]
+        if proc.poll() is None and proc.pid not in self._terminated:
+            proc.send_signal(signal.SIGTERM)
+            self._terminated.add(proc.pid)
 
     def alive(self, name: str) -> bool:
         proc = self.procs.get(name)

@@ -20,6 +20,7 @@ def producer_config(bootstrap: str, **extra: Any) -> dict[str, Any]:
         "acks": "all",
         "linger.ms": 5,
         "compression.type": "lz4",
+        "delivery.report.only.error": True,  # the delivery callback only collects failures
         **extra,
     }
 
@@ -43,3 +44,18 @@ def consumer_config(bootstrap: str, group_id: str, settings: ConsumerSettings, *
         "heartbeat.interval.ms": max(100, settings.session_timeout_ms // 4),
         **extra,
     }
+
+
+def consume_available(consumer: Any, max_messages: int, timeout_s: float) -> list[Any]:
+    """Whatever is ready now, up to ``max_messages``; waits up to ``timeout_s`` only when nothing is.
+
+    librdkafka's ``consume(n, timeout)`` waits for ``n`` messages or the whole timeout, which adds the
+    poll timeout to every hop of a lightly loaded pipeline and stalls the end of a replay.
+    """
+    batch: list[Any] = consumer.consume(max_messages, 0)
+    if batch:
+        return batch
+    batch = consumer.consume(1, timeout_s)
+    if batch and max_messages > 1:
+        batch.extend(consumer.consume(max_messages - 1, 0))
+    return batch

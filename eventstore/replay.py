@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
 
+from eventstore.kafka_config import consume_available
 from eventstore.runtime import Record
 from schemas.codec import Codec, default_codec
 from schemas.errors import DecodeError
@@ -66,7 +67,7 @@ class ReplayReader:
         self._consumer.assign(self._assignment)
         try:
             while pending:
-                for msg in self._consumer.consume(self.batch_size, 1.0):
+                for msg in consume_available(self._consumer, self.batch_size, 1.0):
                     partition = msg.partition()
                     if msg.error() is not None:
                         if msg.error().code() == KafkaError._PARTITION_EOF:

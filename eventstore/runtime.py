@@ -21,16 +21,16 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import structlog
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 from confluent_kafka import Message as KafkaMessage
+from prometheus_client import Counter, Histogram
 
 from eventstore.dlq import dlq_headers
 from eventstore.errors import InfrastructureError, PoisonMessageError
-from eventstore.kafka_config import consumer_config
+from eventstore.kafka_config import consume_available, consumer_config
 from eventstore.metrics import (
     CONSUMER_LAG,
     DEAD_LETTERS,
@@ -48,9 +48,8 @@ from schemas.messages import Message
 
 log = structlog.get_logger("stepstream.runtime")
 
-@dataclass(frozen=True)
-class Record:
-    """A decoded message and where it came from."""
+class Record(NamedTuple):
+    """A decoded message and where it came from (a tuple: built once per message, it must be cheap)."""
 
     topic: str
     partition: int
@@ -134,6 +133,7 @@ class ConsumerRuntime:
         self._processed: dict[tuple[str, int], int] = {}
         self._in_transaction = False
         self._last_lag_update = 0.0
+        self._metrics: dict[str, tuple[Counter, Histogram]] = {}
         overrides = dict(consumer_overrides or {})
         if self.exactly_once:
             overrides["enable.auto.commit"] = False
@@ -163,7 +163,7 @@ class ConsumerRuntime:
                                  on_lost=self._revoked_cb)
         try:
             while not self._stop.is_set():
-                batch = self._consumer.consume(self.settings.batch_size, self.settings.poll_timeout_s)
+                batch = consume_available(self._consumer, self.settings.batch_size, self.settings.poll_timeout_s)
                 if batch:
                     self._process_batch(batch)
                 self._maybe_update_lag()
@@ -229,8 +229,17 @@ class ConsumerRuntime:
                 log.warning("infrastructure fault; retrying", topic=topic, partition=raw.partition(),
                             offset=raw.offset(), attempt=attempt, delay_s=round(delay, 3), error=repr(exc))
                 self._wait_paused(delay, (topic, raw.partition()))
-        MESSAGES_PROCESSED.labels(self.group_id, topic).inc()
-        HANDLER_SECONDS.labels(self.group_id, topic).observe(time.perf_counter() - started)
+        processed, seconds = self._topic_metrics(topic)
+        processed.inc()
+        seconds.observe(time.perf_counter() - started)
+
+    def _topic_metrics(self, topic: str) -> tuple[Counter, Histogram]:
+        """Label lookups cost more than the increments: resolve them once per topic."""
+        metrics = self._metrics.get(topic)
+        if metrics is None:
+            metrics = self._metrics[topic] = (MESSAGES_PROCESSED.labels(self.group_id, topic),
+                                              HANDLER_SECONDS.labels(self.group_id, topic))
+        return metrics
 
     def _dead_letter(self, raw: KafkaMessage, reason: str, error_class: str, kind: str) -> None:
         headers = dlq_headers(reason=reason, error_class=error_class, kind=kind, topic=raw.topic(),

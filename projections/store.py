@@ -15,26 +15,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 from eventstore.errors import InfrastructureError
 from projections.migrations import migrate
-from schemas.messages import (
-    Event,
-    MessageIgnored,
-    OperatorAlert,
-    StepFailed,
-    StepStarted,
-    StepSucceeded,
-    TaskAccepted,
-    TaskCompleted,
-    TaskFailed,
-    TaskRejected,
-)
-
-
-def _ms(value: datetime) -> int:
-    return int(value.timestamp() * 1000)
+from projections.rows import ms, project
+from schemas.messages import Event
 
 
 @dataclass(frozen=True)
@@ -85,7 +69,7 @@ class SqliteStore:
                              (topic, partition)).fetchone()
             if row is not None and row[0] > offset:
                 return False
-            _project(db, event)
+            project(db, event)
             db.execute(
                 "insert into offsets(topic, partition, next_offset) values (?, ?, ?) "
                 "on conflict(topic, partition) do update set next_offset = excluded.next_offset",
@@ -102,13 +86,13 @@ class SqliteStore:
         ``not_before`` bounds the window so a scan never walks the whole history; ``after`` is the last
         (complete_by, task_id, step) of the previous page.
         """
-        start = after or (_ms(not_before) - 1, "", "")
+        start = after or (ms(not_before) - 1, "", "")
         rows = self._conn.execute(
             "select task_id, step, attempt_id, complete_by from steps "
             "where status = 'processing' and complete_by <= ? "
             "and (complete_by, task_id, step) > (?, ?, ?) "
             "order by complete_by, task_id, step limit ?",
-            (_ms(now), *start, limit),
+            (ms(now), *start, limit),
         ).fetchall()
         return [ExpiredStep(t, s, a, c) for t, s, a, c in rows]
 
@@ -137,60 +121,3 @@ class SqliteStore:
 def _dicts(cursor: sqlite3.Cursor) -> list[dict[str, Any]]:
     names = [d[0] for d in cursor.description]
     return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
-
-
-def _project(db: sqlite3.Connection, event: Event) -> None:
-    at = _ms(event.occurred_at)
-    db.execute(
-        "insert into task_history(task_id, sequence, event_type, occurred_at, body) values (?, ?, ?, ?, ?)",
-        (event.task_id, event.sequence, type(event).__name__, at,
-         orjson.dumps(event.model_dump(mode="json")).decode()),
-    )
-    task_update = "update tasks set sequence = ?, updated_at = ? where task_id = ?"
-    match event:
-        case TaskAccepted() | TaskRejected():
-            status = "accepted" if isinstance(event, TaskAccepted) else "rejected"
-            db.execute(
-                "insert into tasks(task_id, workflow, workflow_version, status, sequence, failure_count, "
-                "created_at, updated_at, error) values (?, ?, ?, ?, ?, 0, ?, ?, ?)",
-                (event.task_id, event.workflow, event.workflow_version, status, event.sequence, at, at,
-                 event.reason if isinstance(event, TaskRejected) else None),
-            )
-            return
-        case StepStarted():
-            db.execute(
-                "insert into steps(task_id, step, step_index, status, attempt, attempt_id, complete_by, "
-                "failure_count, calls_used, updated_at) values (?, ?, ?, 'processing', ?, ?, ?, 0, 0, ?) "
-                "on conflict(task_id, step) do update set status = 'processing', attempt = excluded.attempt, "
-                "attempt_id = excluded.attempt_id, complete_by = excluded.complete_by, "
-                "updated_at = excluded.updated_at",
-                (event.task_id, event.step, event.step_index, event.attempt, event.attempt_id,
-                 _ms(event.complete_by), at),
-            )
-            db.execute("update tasks set status = 'running', current_step = ? where task_id = ?",
-                       (event.step, event.task_id))
-        case StepSucceeded():
-            db.execute(
-                "update steps set status = 'succeeded', calls_used = calls_used + ?, error = null, "
-                "updated_at = ? where task_id = ? and step = ?",
-                (event.calls, at, event.task_id, event.step),
-            )
-        case StepFailed():
-            db.execute(
-                "update steps set status = 'failed', failure_count = ?, calls_used = calls_used + ?, "
-                "error = ?, updated_at = ? where task_id = ? and step = ?",
-                (event.failure_count, event.calls, event.error, at, event.task_id, event.step),
-            )
-            db.execute("update tasks set failure_count = failure_count + 1 where task_id = ?", (event.task_id,))
-        case TaskCompleted():
-            db.execute("update tasks set status = 'completed', current_step = null where task_id = ?",
-                       (event.task_id,))
-        case TaskFailed():
-            db.execute("update tasks set status = 'error', error = ? where task_id = ?",
-                       (f"{event.step}: {event.reason}", event.task_id))
-        case OperatorAlert():
-            db.execute("insert into alerts(task_id, step, reason, occurred_at) values (?, ?, ?, ?)",
-                       (event.task_id, event.step, event.reason, at))
-        case MessageIgnored():
-            pass
-    db.execute(task_update, (event.sequence, at, event.task_id))

@@ -254,14 +254,23 @@ class ConsumerRuntime:
         """Sleep while staying in the group: pause fetching and keep polling, so rebalances are served."""
         assignment = self._consumer.assignment()
         self._consumer.pause(assignment)
+        # Anything consume() still hands out while paused was fetched before the pause: rewind to it
+        # afterwards, or it would be skipped.
+        rewind: dict[tuple[str, int], int] = {}
         try:
             deadline = time.monotonic() + delay_s
             while time.monotonic() < deadline and not self._stop.is_set():
-                self._consumer.consume(1, min(0.2, max(0.0, deadline - time.monotonic())))
+                for msg in self._consumer.consume(1, min(0.2, max(0.0, deadline - time.monotonic()))):
+                    if msg.error() is None:
+                        key = (msg.topic(), msg.partition())
+                        rewind[key] = min(rewind.get(key, msg.offset()), msg.offset())
                 if where not in self._assigned:
                     raise _Revoked()
         finally:
-            self._consumer.resume([tp for tp in self._consumer.assignment()])
+            self._consumer.resume(self._consumer.assignment())
+            for (topic, partition), offset in rewind.items():
+                if (topic, partition) in self._assigned:
+                    self._consumer.seek(TopicPartition(topic, partition, offset))
 
     def _finish_batch(self) -> None:
         """Make the batch's work durable: deliver its output, then commit (or store) its offsets."""

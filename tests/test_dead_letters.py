@@ -92,3 +92,23 @@ def test_handler_whose_database_is_down_is_retried_not_dead_lettered(
 
         assert wait_for(row_written)
     assert read_all(bootstrap, layout.dlq, expect=1, timeout_s=3) == []
+
+
+def test_messages_behind_a_retried_one_are_processed_once_in_order(bootstrap: str, layout: TopicLayout) -> None:
+    producer = EventProducer(bootstrap)
+    for i in range(1, 31):
+        producer.send(layout.inbox, _alert(i, task_id="one-key"))
+    producer.flush()
+    failures_left = [4]
+    done: list[int] = []
+
+    def flaky(record: Record, _out: EventProducer) -> None:
+        if record.offset == 5 and failures_left[0] > 0:
+            failures_left[0] -= 1
+            raise ConnectionError("database connection reset")
+        done.append(record.offset)
+
+    with running(bootstrap, layout, layout.inbox, flaky):
+        assert wait_for(lambda: len(done) >= 30, timeout_s=30)
+        assert not wait_for(lambda: len(done) > 30, timeout_s=1)
+    assert done == sorted(done) and len(set(done)) == 30, done

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -74,13 +75,8 @@ def is_retryable(exc: BaseException) -> bool:
         return False
     if getattr(exc, "retryable", False):
         return True
-    if isinstance(exc, KafkaException):
-        return True
-    import sqlite3
-
-    if isinstance(exc, sqlite3.OperationalError):
-        return True
-    return isinstance(exc, (ConnectionError, TimeoutError))
+    # A database that is down or locked, the broker unreachable, a dropped connection: all pass.
+    return isinstance(exc, (KafkaException, sqlite3.OperationalError, ConnectionError, TimeoutError))
 
 
 def backoff_delay(attempt: int, initial_s: float, max_s: float, rng: random.Random) -> float:

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 
 from eventstore.errors import StepstreamError
 from eventstore.settings import KafkaSettings
+from stepstream import submit_cli
 
 
 def _broker(args: argparse.Namespace) -> int:
@@ -98,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     up = commands.add_parser("up", help="run a whole local system until SIGTERM/Ctrl-C")
     up.add_argument("--service-port", type=int, default=None, help="port of the demo's order service")
     up.set_defaults(func=_up)
+
+    submit_cli.add_parsers(commands)
 
     demo = commands.add_parser("demo", help="submit a batch of orders to a local system with faults on")
     demo.add_argument("--tasks", type=int, default=20)

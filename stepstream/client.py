@@ -1,0 +1,157 @@
+"""The Python client: submit tasks, read their status, wait for them, follow a reply topic.
+
+A submission is validated before anything is produced, so a bad input raises an error naming the field
+and writes nothing. Task ids are the idempotency key of the whole system: submitting the same task
+again (a retry after a timeout, a crash between a database write and the submit) runs it once.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from confluent_kafka import Consumer
+from confluent_kafka.admin import AdminClient
+from pydantic import ValidationError
+
+from eventstore.errors import StepstreamError
+from eventstore.kafka_config import consume_available
+from eventstore.producer import EventProducer
+from eventstore.settings import KafkaSettings
+from eventstore.topics import TopicLayout, TopicSpec, ensure_topics
+from projections.settings import StoreSettings
+from projections.store import SqliteStore
+from schemas.codec import default_codec
+from schemas.errors import DecodeError
+from schemas.messages import StatusUpdate, SubmitTask
+
+TERMINAL = frozenset({"completed", "error", "rejected", "compensated", "compensation_failed"})
+
+
+class InvalidSubmission(StepstreamError, ValueError):
+    """The submission is not valid; ``field`` names what is wrong. Nothing was produced."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class SubmissionRejected(StepstreamError):
+    """Admission control refused the task (the system is at its in-flight bound). Retry later."""
+
+
+class TaskWaitTimeout(StepstreamError, TimeoutError):
+    """The task did not reach a terminal state in time; it may still finish."""
+
+
+class Client:
+    """One producer and, if a submitter name is given, that submitter's private reply topic."""
+
+    def __init__(self, *, kafka: KafkaSettings | None = None, submitter: str | None = None,
+                 store_path: Path | None = None) -> None:
+        self.kafka = kafka or KafkaSettings()
+        self.layout = TopicLayout.from_settings(self.kafka)
+        self.bootstrap = self.kafka.resolved_bootstrap()
+        self.submitter = submitter
+        self.store_path = store_path or StoreSettings().sqlite_path(self.kafka.home)
+        self._producer = EventProducer(self.bootstrap)
+        self._store: SqliteStore | None = None
+        if submitter is not None:
+            if not submitter.replace("-", "").replace("_", "").isalnum():
+                raise InvalidSubmission("submitter", "letters, digits, '-' and '_' only")
+            ensure_topics(AdminClient({"bootstrap.servers": self.bootstrap}),
+                          [TopicSpec(self.reply_topic, self.layout.partitions)], self.kafka.replication_factor)
+
+    @property
+    def reply_topic(self) -> str:
+        if self.submitter is None:
+            raise InvalidSubmission("submitter", "a reply topic needs a submitter name")
+        return self.layout.status(self.submitter)
+
+    def submit(self, workflow: str, input: Any, *, version: int | None = None, task_id: str | None = None) -> str:
+        """Produce a submission and wait until Kafka has it (acks=all). Returns the task id."""
+        command = build_submission(workflow, input, version=version, task_id=task_id, submitter=self.submitter,
+                                   reply_topic=self.reply_topic if self.submitter else None)
+        self._producer.send(self.layout.inbox, command)
+        self._producer.flush()
+        return command.task_id
+
+    def status(self, task_id: str) -> dict[str, Any] | None:
+        """The task as the projection shows it (None until the projector has seen it)."""
+        if self._store is None:
+            if not self.store_path.exists():
+                return None
+            self._store = SqliteStore(self.store_path)
+        return self._store.task(task_id)
+
+    def wait(self, task_id: str, timeout_s: float = 60.0, poll_s: float = 0.2) -> dict[str, Any]:
+        """Until the task is terminal. Raises SubmissionRejected for a rejected task, TaskWaitTimeout on time."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            task = self.status(task_id)
+            if task is not None and task["status"] in TERMINAL:
+                if task["status"] == "rejected":
+                    raise SubmissionRejected(f"task {task_id} was rejected: {task.get('error')}")
+                return task
+            if time.monotonic() >= deadline:
+                state = task["status"] if task else "not seen yet"
+                raise TaskWaitTimeout(f"task {task_id} not finished after {timeout_s}s ({state})")
+            time.sleep(poll_s)
+
+    def updates(self, timeout_s: float = 30.0, idle_s: float | None = None) -> Iterator[StatusUpdate]:
+        """Follow this submitter's reply topic from the start; stops at the timeout or after ``idle_s`` quiet."""
+        consumer = Consumer({
+            "bootstrap.servers": self.bootstrap,
+            "group.id": f"{self.layout.prefix}submitter.{self.submitter}.{uuid.uuid4().hex[:8]}",
+            "auto.offset.reset": "earliest",
+            "enable.auto.commit": False,
+            "isolation.level": "read_committed",
+        })
+        consumer.subscribe([self.reply_topic])
+        codec = default_codec()
+        deadline = time.monotonic() + timeout_s
+        last = time.monotonic()
+        try:
+            while time.monotonic() < deadline and (idle_s is None or time.monotonic() - last < idle_s):
+                for msg in consume_available(consumer, 100, 0.2):
+                    if msg.error() is not None:
+                        continue
+                    try:
+                        update = codec.decode(msg.value())
+                    except DecodeError:
+                        continue
+                    if isinstance(update, StatusUpdate):
+                        last = time.monotonic()
+                        yield update
+        finally:
+            consumer.close()
+
+    def close(self) -> None:
+        self._producer.flush()
+        if self._store is not None:
+            self._store.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+
+def build_submission(workflow: str, input: Any, *, version: int | None = None, task_id: str | None = None,
+                     submitter: str | None = None, reply_topic: str | None = None) -> SubmitTask:
+    """Validate a submission into the command, or raise InvalidSubmission naming the first bad field."""
+    if not isinstance(input, dict):
+        raise InvalidSubmission("input", f"must be a JSON object, not {type(input).__name__}")
+    if version is not None and version < 1:
+        raise InvalidSubmission("version", "must be at least 1 (or omitted for the latest)")
+    try:
+        return SubmitTask(task_id=uuid.uuid4().hex if task_id is None else task_id, workflow=workflow,
+                          workflow_version=version, input=input, submitter=submitter, reply_topic=reply_topic)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(part) for part in first["loc"]) or "submission"
+        raise InvalidSubmission(field, first["msg"]) from None

@@ -1,0 +1,135 @@
+"""The submission path: the Python client and the CLI, idempotency, admission control, reply topics."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eventstore.dlq import read_dlq_headers
+from eventstore.settings import KafkaSettings
+from schemas.messages import OperatorAlert, StatusUpdate, TaskAccepted
+from stepstream.client import Client, InvalidSubmission, SubmissionRejected
+from tests.kafka_helpers import read_all
+from tests.system import System
+
+ORDER = {"order_id": "o-1", "sku": "A-1", "qty": 1, "amount": 10}
+
+
+def _client(system: System, submitter: str | None = None) -> Client:
+    kafka = KafkaSettings(bootstrap_servers=system.bootstrap, topic_prefix=system.layout.prefix,
+                          partitions=system.layout.partitions)
+    return Client(kafka=kafka, submitter=submitter, store_path=system.store_path)
+
+
+def test_the_same_task_submitted_twice_runs_once(system: System) -> None:
+    system.start()
+    with _client(system) as client:
+        client.submit("orders", ORDER, version=1, task_id="twice")
+        client.submit("orders", ORDER, version=1, task_id="twice")
+        assert client.wait("twice")["status"] == "completed"
+    accepted = [e for e in system.events("twice") if isinstance(e, TaskAccepted)]
+    assert len(accepted) == 1
+    assert system.admin.applied_for("payments/charge", "twice:charge") == 1
+
+
+def test_the_same_id_with_other_data_is_dead_lettered_with_an_alert_and_the_first_task_is_untouched(
+    system: System,
+) -> None:
+    system.start()
+    with _client(system) as client:
+        client.submit("orders", ORDER, version=1, task_id="clash")
+        first = client.wait("clash")
+        client.submit("orders", {**ORDER, "qty": 5}, version=1, task_id="clash")
+    dead = read_all(system.bootstrap, system.layout.dlq, expect=1, timeout_s=30)
+    assert len(dead) == 1 and "contradict" in read_dlq_headers(dead[0].headers())["reason"]
+    events = system.events("clash")
+    assert any(isinstance(e, OperatorAlert) and "contradict" in e.reason for e in events)
+    accepted = next(e for e in events if isinstance(e, TaskAccepted))
+    assert accepted.input["qty"] == 1, "nothing was overwritten"
+    assert (system.task("clash") or {})["status"] == first["status"] == "completed"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"workflow": "", "input": ORDER}, "workflow"),
+        ({"workflow": "orders", "input": [1, 2]}, "input"),
+        ({"workflow": "orders", "input": ORDER, "task_id": ""}, "task_id"),
+        ({"workflow": "orders", "input": ORDER, "version": 0}, "version"),
+    ],
+)
+def test_an_invalid_submission_names_the_field_and_produces_nothing(
+    system: System, kwargs: dict[str, object], field: str
+) -> None:
+    with _client(system) as client, pytest.raises(InvalidSubmission) as caught:
+        client.submit(**kwargs)  # type: ignore[arg-type]
+    assert caught.value.field == field
+    assert read_all(system.bootstrap, system.layout.inbox, expect=1, timeout_s=2) == []
+
+
+def test_a_submitter_following_its_reply_topic_hears_its_own_tasks_from_received_to_completed(
+    system: System,
+) -> None:
+    system.start()
+    with _client(system, submitter="shop-a") as shop_a, _client(system, submitter="shop-b") as shop_b:
+        ours = [shop_a.submit("orders", {**ORDER, "order_id": f"a{i}"}, version=1, task_id=f"a-{i}") for i in range(3)]
+        theirs = shop_b.submit("orders", ORDER, version=1, task_id="b-0")
+        for task_id in [*ours, theirs]:
+            shop_a.wait(task_id)
+        updates: list[StatusUpdate] = list(shop_a.updates(timeout_s=30, idle_s=3))
+    assert {u.task_id for u in updates} == set(ours), "nothing about other submitters' tasks"
+    for task_id in ours:
+        statuses = [u.status for u in updates if u.task_id == task_id]
+        assert statuses[0] == "received" and statuses[-1] == "completed", statuses
+        assert statuses.count("step_succeeded") == 3
+
+
+def test_past_the_in_flight_bound_submissions_are_rejected_visibly_and_admitted_ones_complete(
+    system: System,
+) -> None:
+    system.env["STEPSTREAM_SCHEDULER_MAX_IN_FLIGHT"] = "1"  # per inbox partition: at most 3 in flight
+    system.admin.set_faults("inventory/reserve", hang=True, hang_max_s=60)  # the remote service is down
+    system.start()
+    ids = [f"bound-{i}" for i in range(12)]
+    with _client(system) as client:
+        for task_id in ids:
+            client.submit("orders", {**ORDER, "order_id": task_id}, version=1, task_id=task_id)
+        rejected: list[str] = []
+        for task_id in ids:
+            try:
+                client.wait(task_id, timeout_s=0.5)
+            except SubmissionRejected:
+                rejected.append(task_id)
+            except TimeoutError:
+                pass
+        admitted = [t for t in ids if t not in rejected]
+        assert rejected and 0 < len(admitted) <= system.layout.partitions
+        system.admin.clear_faults("inventory/reserve")
+        for task_id in admitted:
+            assert client.wait(task_id, timeout_s=90)["status"] == "completed"
+
+
+def _cli(system: System, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**system.env}
+    return subprocess.run([sys.executable, "-m", "stepstream", *args], env=env, capture_output=True, text=True,
+                          timeout=180, check=False, cwd=Path(__file__).parent.parent)
+
+
+def test_cli_submit_waits_and_exit_codes_tell_scripts_what_happened(system: System, tmp_path: Path) -> None:
+    system.start()
+    done = _cli(system, "submit", "orders", "--version", "1", "--input", '{"order_id": "c1", "qty": 1}',
+                "--task-id", "cli-1", "--wait", "--json")
+    assert done.returncode == 0, done.stderr
+    assert '"status":"completed"' in done.stdout
+    (tmp_path / "bad.json").write_text('{"order_id": "c2", "qty": 0}')
+    refused = _cli(system, "submit", "orders", "--version", "1", "--input", f"@{tmp_path / 'bad.json'}",
+                   "--task-id", "cli-2", "--wait")
+    assert refused.returncode == 4, "the service refused it: the task ended in error"
+    invalid = _cli(system, "submit", "orders", "--input", "[1, 2]")
+    assert invalid.returncode == 2 and "input" in invalid.stderr
+    assert _cli(system, "status", "cli-1").returncode == 0
+    missing = _cli(system, "status", "no-such-task")
+    assert missing.returncode == 3 and "no-such-task" in missing.stderr

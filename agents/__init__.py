@@ -1,0 +1,7 @@
+"""Agents: the runtime that calls remote services for the scheduler, and its fault handling.
+
+``runtime`` (the attempt loop), ``faults`` (transient vs permanent), ``retry`` (back-off maths),
+``budget`` (retries per dependency per window), ``breaker`` (circuit breaker per dependency),
+``dependencies`` (their shared per-process state), ``policy`` (the central, hot-reloaded configuration),
+``http`` and ``shipped`` (the agents of the demo's order service).
+"""

@@ -1,7 +1,8 @@
 """Agents that call an HTTP service, and how they read its answers.
 
-Timeouts, connection errors, 429 and 5xx are transient; a 409 means a newer attempt already reached
-the service (fencing) and every other 4xx is a permanent refusal. ``Retry-After`` is passed on.
+Timeouts, connection errors, 408, 429 and 5xx are transient; a 409 means a newer attempt already
+reached the service (fencing) and every other 4xx is a permanent refusal. ``Retry-After`` (seconds or an
+HTTP date) is passed on. The classification itself lives in :mod:`agents.faults`.
 """
 
 from __future__ import annotations
@@ -10,15 +11,8 @@ from typing import Any
 
 import httpx
 
-from agents.runtime import AgentHandler, Call, PermanentError, TransientError
-
-
-def _retry_after(response: httpx.Response) -> float | None:
-    value = response.headers.get("Retry-After")
-    try:
-        return max(0.0, float(value)) if value is not None else None
-    except ValueError:
-        return None
+from agents.faults import TransientError, classify_response
+from agents.runtime import AgentHandler, Call
 
 
 def request_body(step_input: dict[str, Any]) -> dict[str, Any]:
@@ -48,14 +42,14 @@ def http_post_handler(base_url: str, path: str, client: httpx.Client | None = No
             raise TransientError(f"{path}: timed out after {request.timeout_s:.1f}s", kind="timeout") from exc
         except httpx.TransportError as exc:
             raise TransientError(f"{path}: {type(exc).__name__}: {exc}", kind="connection") from exc
-        if response.status_code == 429:
-            raise TransientError(f"{path}: throttled (429)", retry_after_s=_retry_after(response), kind="throttled")
-        if response.status_code >= 500:
-            raise TransientError(f"{path}: server error {response.status_code}", retry_after_s=_retry_after(response),
-                                 kind="server_error")
-        if response.status_code >= 400:
-            raise PermanentError(f"{path}: refused with {response.status_code}: {response.text[:300]}")
-        body = response.json()
+        fault = classify_response(response, what=path)
+        if fault is not None:
+            raise fault
+        try:
+            body = response.json()
+        except ValueError as exc:
+            # The effect may have landed; a retry with the same idempotency key replays the stored result.
+            raise TransientError(f"{path}: unreadable answer ({response.status_code})", kind="server_error") from exc
         return body if isinstance(body, dict) else {"result": body}
 
     return call

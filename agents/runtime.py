@@ -4,6 +4,13 @@ An agent consumes ``agent.NAME`` in partition order and answers every request on
 attempt id it was given. It makes at most the calls the scheduler allowed for the attempt, never starts
 a call after the attempt's deadline, and passes the step's idempotency key (stable across attempts) and
 the attempt number (a fencing token) to the service, which is what makes redelivery after a crash safe.
+
+Within one attempt, transient faults are retried under the dependency's policy (:mod:`agents.policy`):
+back-off with jitter or the service's Retry-After (:mod:`agents.retry`), a timeout on every call, the
+dependency's retry budget (:mod:`agents.budget`) and circuit breaker (:mod:`agents.breaker`). Whatever
+stops the retries -- the allowance, the deadline, the retry limit, a spent budget, an open breaker -- the
+attempt is answered as a transient failure carrying the calls actually made, and the scheduler counts
+them against the step's end-to-end budget; so agent and supervisor retries together never exceed it.
 """
 
 from __future__ import annotations
@@ -19,6 +26,17 @@ from typing import Any
 import structlog
 from prometheus_client import Counter, Histogram
 
+from agents.breaker import BreakerState
+from agents.dependencies import Dependency, DependencyRegistry
+from agents.faults import (
+    CircuitOpenError,
+    PermanentError,
+    RetryBudgetExhausted,
+    TransientError,
+    classify,
+)
+from agents.policy import AgentPolicy, DependencyPolicy, PolicyProvider, StaticPolicy
+from agents.retry import RetryPolicy
 from eventstore.errors import PoisonMessageError
 from eventstore.producer import EventProducer
 from eventstore.runtime import ConsumerRuntime, Record
@@ -26,28 +44,33 @@ from eventstore.settings import ConsumerSettings, KafkaSettings
 from eventstore.topics import TopicLayout
 from schemas.messages import AgentRequest, StepResult
 
+__all__ = [
+    "Agent",
+    "AgentHandler",
+    "AttemptAbandoned",
+    "Call",
+    "CircuitOpenError",
+    "PermanentError",
+    "RetryBudgetExhausted",
+    "RetryPolicy",
+    "TransientError",
+    "build_agent",
+]
+
 log = structlog.get_logger("stepstream.agent")
 
-CALLS = Counter("stepstream_agent_calls_total", "Calls made to remote services", ["agent", "outcome"])
-STEP_SECONDS = Histogram("stepstream_agent_step_seconds", "Time to answer one attempt, retries included",
-                         ["agent"], buckets=(0.005, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30))
-
-
-class PermanentError(Exception):
-    """The service said no for good (validation, 4xx): retrying cannot help."""
-
-    retryable = False
-
-
-class TransientError(Exception):
-    """Worth another call later (timeout, connection, 429, 5xx); ``retry_after_s`` is the service's hint."""
-
-    retryable = True
-
-    def __init__(self, message: str, *, retry_after_s: float | None = None, kind: str = "server_error") -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-        self.kind = kind
+_SECONDS = (0.005, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30)
+CALLS = Counter("stepstream_agent_calls_total", "Calls made to remote services, by outcome",
+                ["agent", "dependency", "outcome"])
+RETRIES = Counter("stepstream_agent_retries_total", "Retries decided after a transient fault, by cause",
+                  ["agent", "dependency", "cause"])
+GAVE_UP = Counter("stepstream_agent_attempts_failed_transiently_total",
+                  "Attempts answered as a transient failure, by what stopped the retries",
+                  ["agent", "dependency", "reason"])
+CALL_SECONDS = Histogram("stepstream_agent_call_seconds", "Time of one call to a dependency",
+                         ["agent", "dependency"], buckets=_SECONDS)
+STEP_SECONDS = Histogram("stepstream_agent_step_seconds", "Time to answer one attempt, retries and back-off included",
+                         ["agent", "dependency", "outcome"], buckets=_SECONDS)
 
 
 @dataclass(frozen=True)
@@ -66,22 +89,12 @@ class Call:
         return self.request.attempt
 
 
+#: Makes one call. Returns the step's output, or raises: :class:`TransientError` / :class:`PermanentError`
+#: explicitly (a ``retry_after_s`` on a TransientError is the handler's suggested delay), or anything else,
+#: which :func:`agents.faults.classify` maps by type.
 AgentHandler = Callable[[Call], dict[str, Any]]
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """Bounded retry within one attempt: exponential back-off with jitter, Retry-After honoured."""
-
-    initial_backoff_s: float = 0.1
-    max_backoff_s: float = 5.0
-    call_timeout_s: float = 10.0
-
-    def delay(self, retry: int, retry_after_s: float | None, rng: random.Random) -> float:
-        if retry_after_s is not None:
-            return retry_after_s
-        ceiling = min(self.max_backoff_s, self.initial_backoff_s * 2 ** (retry - 1))
-        return rng.uniform(ceiling / 2, ceiling)
+#: Waits ``seconds``; returns True if woken because the agent is stopping (``threading.Event.wait``).
+Sleeper = Callable[[float], bool]
 
 
 class AttemptAbandoned(Exception):
@@ -90,57 +103,127 @@ class AttemptAbandoned(Exception):
     retryable = True
 
 
+def _provider(policy: PolicyProvider | AgentPolicy | DependencyPolicy | RetryPolicy | None) -> PolicyProvider:
+    if policy is None or isinstance(policy, AgentPolicy | DependencyPolicy | RetryPolicy):
+        return StaticPolicy(policy)
+    return policy
+
+
 class Agent:
-    def __init__(self, name: str, handler: AgentHandler, policy: RetryPolicy | None = None,
-                 stopping: threading.Event | None = None) -> None:
+    """Runs attempts of steps against one dependency (``dependency``, by default the agent's name).
+
+    ``policy`` is where the fault-handling policy comes from -- a provider that may change it at run time
+    (:class:`agents.policy.FilePolicy`), or a fixed policy. ``dependencies`` holds the breaker and retry
+    budget, shared by every agent given the same registry. ``sleep``, ``monotonic``, ``now`` and ``rng``
+    are injectable so tests can observe and steer back-off without patching.
+    """
+
+    def __init__(self, name: str, handler: AgentHandler,
+                 policy: PolicyProvider | AgentPolicy | DependencyPolicy | RetryPolicy | None = None,
+                 stopping: threading.Event | None = None, *, dependency: str | None = None,
+                 dependencies: DependencyRegistry | None = None, sleep: Sleeper | None = None,
+                 monotonic: Callable[[], float] = time.monotonic,
+                 now: Callable[[], datetime] = lambda: datetime.now(UTC),
+                 rng: random.Random | None = None) -> None:
         self.name = name
         self.handler = handler
-        self.policy = policy or RetryPolicy()
-        self._rng = random.Random()
+        self.policies = _provider(policy)
+        self.dependency = dependency or name
+        self.dependencies = dependencies or DependencyRegistry(monotonic)
         # Set when the process drains: a back-off sleep ends at once instead of holding the drain up.
         self.stopping = stopping or threading.Event()
+        self._sleep: Sleeper = sleep or self.stopping.wait
+        self._monotonic = monotonic
+        self._now = now
+        self._rng = rng or random.Random()
+
+    def _guard(self) -> tuple[DependencyPolicy, Dependency]:
+        """The policy in force now and the dependency it has been applied to (asked before every call)."""
+        policy = self.policies.current().for_dependency(self.dependency)
+        return policy, self.dependencies.get(self.dependency, policy)
 
     def execute(self, request: AgentRequest) -> StepResult:
         """Run one attempt to an answer; every outcome is a result for the scheduler, unless draining."""
-        started = time.monotonic()
+        started = self._monotonic()
+        dep = self.dependency
         calls = 0
-        last_error = "no call made"
+        retries = 0
+        last: TransientError | None = None
+        context = {"agent": self.name, "dependency": dep, "task_id": request.task_id, "step": request.step,
+                   "attempt": request.attempt}
 
-        def answer(ok: bool, *, output: dict[str, Any] | None = None, error: str | None = None,
+        def remaining_s() -> float:
+            return (request.complete_by - self._now()).total_seconds()
+
+        def answer(ok: bool, outcome: str, *, output: dict[str, Any] | None = None, error: str | None = None,
                    permanent: bool = False) -> StepResult:
-            STEP_SECONDS.labels(self.name).observe(time.monotonic() - started)
+            STEP_SECONDS.labels(self.name, dep, outcome).observe(self._monotonic() - started)
             return StepResult(task_id=request.task_id, step=request.step, attempt_id=request.attempt_id, ok=ok,
                               output=output, error=error, permanent=permanent, calls=calls)
 
+        def give_up(reason: str, why: str) -> StepResult:
+            """Stop retrying: a transient failure, so the scheduler may try again within the step's budget."""
+            GAVE_UP.labels(self.name, dep, reason).inc()
+            error = f"{why} after {calls} call(s)" + (f"; last error: {last}" if last is not None else "")
+            log.warning("attempt failed transiently", reason=reason, calls=calls, error=error, **context)
+            return answer(False, "transient", error=error)
+
         while True:
-            remaining = (request.complete_by - datetime.now(UTC)).total_seconds()
+            policy, guard = self._guard()
+            remaining = remaining_s()
             if remaining <= 0:
-                return answer(False, error=f"deadline passed after {calls} calls; last error: {last_error}")
+                return give_up("deadline", "deadline passed")
             if calls >= request.calls_allowed:
-                return answer(False, error=f"call allowance of {request.calls_allowed} spent; last error: {last_error}")
+                return give_up("allowance", f"call allowance of {request.calls_allowed} spent")
+            if not guard.breaker.try_acquire():
+                return give_up("circuit_open", str(CircuitOpenError(dep, guard.breaker.retry_in_s())))
             calls += 1
+            if retries == 0:
+                guard.first_call()
+            call_started = self._monotonic()
+            fault: TransientError | PermanentError | None = None
             try:
-                output = self.handler(Call(request, min(self.policy.call_timeout_s, remaining)))
-            except PermanentError as exc:
-                CALLS.labels(self.name, "permanent").inc()
-                log.error("permanent failure", agent=self.name, task_id=request.task_id, step=request.step,
-                          attempt=request.attempt, error=str(exc))
-                return answer(False, error=str(exc), permanent=True)
-            except TransientError as exc:
-                CALLS.labels(self.name, "transient").inc()
-                last_error = str(exc)
-                delay = self.policy.delay(calls, exc.retry_after_s, self._rng)
-                log.warning("transient failure", agent=self.name, task_id=request.task_id, step=request.step,
-                            attempt=request.attempt, call=calls, kind=exc.kind, error=last_error,
-                            delay_s=round(delay, 3))
-                left = (request.complete_by - datetime.now(UTC)).total_seconds()
-                if calls >= request.calls_allowed or delay >= left:
-                    return answer(False, error=last_error)
-                if self.stopping.wait(delay):
-                    raise AttemptAbandoned(f"draining during a back-off; last error: {last_error}") from exc
-                continue
-            CALLS.labels(self.name, "ok").inc()
-            return answer(True, output=output)
+                output = self.handler(Call(request, min(policy.retry.call_timeout_s, remaining)))
+            except Exception as exc:
+                fault = classify(exc)
+            except BaseException:
+                guard.breaker.release()
+                raise
+            finally:
+                CALL_SECONDS.labels(self.name, dep).observe(self._monotonic() - call_started)
+
+            if fault is None:
+                guard.breaker.record_success()
+                CALLS.labels(self.name, dep, "ok").inc()
+                return answer(True, "ok", output=output)
+            if isinstance(fault, PermanentError):
+                guard.breaker.record_success()  # the service answered: it is up, the request is wrong
+                CALLS.labels(self.name, dep, "permanent").inc()
+                log.error("permanent failure", cause=fault.kind, call=calls, error=str(fault),
+                          exc_info=fault if fault.kind == "unexpected" else False, **context)
+                return answer(False, "permanent", error=str(fault), permanent=True)
+
+            guard.breaker.record_failure()
+            CALLS.labels(self.name, dep, "transient").inc()
+            last = fault
+            log.warning("transient failure", cause=fault.kind, call=calls, error=str(fault),
+                        retry_after_s=fault.retry_after_s, **context)
+            if calls >= request.calls_allowed:
+                return give_up("allowance", f"call allowance of {request.calls_allowed} spent")
+            if retries >= policy.retry.max_retries:
+                return give_up("retry_limit", f"retry limit of {policy.retry.max_retries} reached")
+            delay = policy.retry.delay(retries + 1, self._rng, fault.retry_after_s)
+            if delay >= remaining_s():
+                return give_up("deadline", f"the next call, {delay:.3f}s away, would start past the deadline")
+            if guard.breaker.state is BreakerState.OPEN:
+                return give_up("circuit_open", str(CircuitOpenError(dep, guard.breaker.retry_in_s())))
+            if not guard.try_retry():
+                return give_up("retry_budget", str(RetryBudgetExhausted(dep)))
+            retries += 1
+            RETRIES.labels(self.name, dep, fault.kind).inc()
+            log.info("retrying", cause=fault.kind, retry=retries, delay_s=round(delay, 3), **context)
+            if self._sleep(delay):
+                raise AttemptAbandoned(f"draining during a back-off; last error: {last}") from fault
 
     def handle(self, record: Record, output: EventProducer, inbox: str) -> None:
         request = record.message

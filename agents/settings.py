@@ -1,11 +1,19 @@
-"""Agent settings (``STEPSTREAM_AGENT_*``)."""
+"""Agent settings (``STEPSTREAM_AGENT_*``).
+
+The retry numbers here are the base of the central policy: they apply to every dependency unless the
+policy file (``STEPSTREAM_AGENT_POLICY_FILE``) says otherwise, so a deployment without a policy file
+keeps working as configured by environment alone.
+"""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from agents.runtime import RetryPolicy
+from agents.policy import DependencyPolicy, FilePolicy, PolicyProvider, StaticPolicy
+from agents.retry import RetryPolicy
 
 
 class AgentSettings(BaseSettings):
@@ -15,7 +23,19 @@ class AgentSettings(BaseSettings):
     call_timeout_s: float = Field(default=10.0, gt=0)
     initial_backoff_s: float = Field(default=0.1, gt=0)
     max_backoff_s: float = Field(default=5.0, gt=0)
+    policy_file: Path | None = Field(default=None, description="central fault policy (TOML or JSON), hot-reloaded")
+    policy_poll_s: float = Field(default=1.0, gt=0, description="how often the policy file is checked for changes")
 
     def retry_policy(self) -> RetryPolicy:
         return RetryPolicy(initial_backoff_s=self.initial_backoff_s, max_backoff_s=self.max_backoff_s,
                            call_timeout_s=self.call_timeout_s)
+
+    def base_policy(self) -> DependencyPolicy:
+        """The built-in defaults with this environment's retry settings applied."""
+        return DependencyPolicy(retry=self.retry_policy())
+
+    def policy_provider(self) -> PolicyProvider:
+        """The policy file, watched for changes, over the environment's settings; or those settings alone."""
+        if self.policy_file is None:
+            return StaticPolicy(self.base_policy())
+        return FilePolicy(self.policy_file, base=self.base_policy(), poll_interval_s=self.policy_poll_s)

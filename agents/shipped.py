@@ -1,11 +1,22 @@
-"""The agents shipped with stepstream: one per operation of the demo's order service."""
+"""The agents shipped with stepstream: one per operation of the demo's order service.
+
+They all call the same service, so they share one dependency name, ``orders``: the central policy
+configures it once (``[dependencies.orders]``), and the breaker and retry budget are about that service
+rather than about one of its endpoints.
+"""
 
 from __future__ import annotations
 
 import threading
 
+from agents.dependencies import DependencyRegistry
 from agents.http import http_post_handler
-from agents.runtime import Agent, RetryPolicy
+from agents.policy import AgentPolicy, DependencyPolicy, PolicyProvider
+from agents.retry import RetryPolicy
+from agents.runtime import Agent
+
+#: The dependency name of the order service in the central policy.
+ORDERS_DEPENDENCY = "orders"
 
 # agent name -> path on the order service
 ORDER_OPERATIONS: dict[str, str] = {
@@ -18,11 +29,14 @@ ORDER_OPERATIONS: dict[str, str] = {
 }
 
 
-def shipped_agent(name: str, service_url: str, policy: RetryPolicy | None = None,
-                  stopping: threading.Event | None = None) -> Agent:
+def shipped_agent(name: str, service_url: str,
+                  policy: PolicyProvider | AgentPolicy | DependencyPolicy | RetryPolicy | None = None,
+                  stopping: threading.Event | None = None, *, dependency: str = ORDERS_DEPENDENCY,
+                  dependencies: DependencyRegistry | None = None) -> Agent:
     try:
         path = ORDER_OPERATIONS[name]
     except KeyError:
         known = ", ".join(sorted(ORDER_OPERATIONS))
         raise ValueError(f"no shipped agent named {name!r}; known: {known}") from None
-    return Agent(name, http_post_handler(service_url, path), policy, stopping)
+    return Agent(name, http_post_handler(service_url, path), policy, stopping, dependency=dependency,
+                 dependencies=dependencies)

@@ -106,6 +106,7 @@ class ConsumerRuntime:
         on_assign: AssignCallback | None = None,
         on_revoke: PartitionCallback | None = None,
         on_abort: Callable[[], None] | None = None,
+        on_batch_end: Callable[[], None] | None = None,
         consumer_overrides: dict[str, Any] | None = None,
         stop_event: threading.Event | None = None,
     ) -> None:
@@ -119,6 +120,11 @@ class ConsumerRuntime:
         self._on_assign = on_assign
         self._on_revoke = on_revoke
         self._on_abort = on_abort
+        # Called when a batch's work is about to be committed (end of batch, rebalance, shutdown), after
+        # the handler ran for each of its records and before their offsets are stored or committed: a
+        # handler that buffers (the projector writes a batch in one database transaction) makes its
+        # work durable here. If it raises, no offset of the batch is committed.
+        self._on_batch_end = on_batch_end
         # Shared with handlers that wait (back-off sleeps), so a drain interrupts them.
         self._stop = stop_event or threading.Event()
         self._rng = random.Random()
@@ -272,6 +278,8 @@ class ConsumerRuntime:
         """Make the batch's work durable: deliver its output, then commit (or store) its offsets."""
         if not self._done:
             return
+        if self._on_batch_end is not None:
+            self._on_batch_end()
         offsets = [TopicPartition(t, p, o) for (t, p), o in self._done.items()]
         if self.exactly_once:
             self._commit_transaction(offsets)

@@ -1,11 +1,29 @@
-"""Versioned schema migrations of the state store, applied in order at open; each runs once."""
+"""Versioned schema migrations of the state store, shared by every backend, applied in order at open.
+
+Each entry runs once per store (its version is recorded in ``schema_migrations``, in the same
+transaction as its statements). Entries are written in SQLite's dialect and translated for PostgreSQL
+by ``statements``, which handles the differences explicitly and nothing else:
+
+* ``integer primary key autoincrement`` (SQLite's rowid alias) becomes a ``bigint`` identity column;
+* ``integer`` becomes ``bigint``: SQLite integers are 64-bit, PostgreSQL's ``integer`` is 32-bit and
+  epoch milliseconds overflow it.
+
+An entry that cannot be written portably gives each dialect its own script instead:
+``(n, {"sqlite": "...", "postgresql": "..."})``. Append new entries; never edit or reorder old ones.
+"""
 
 from __future__ import annotations
 
-import sqlite3
+import re
 import time
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
+from typing import Any, Literal, Protocol
 
-MIGRATIONS: tuple[tuple[int, str], ...] = (
+Dialect = Literal["sqlite", "postgresql"]
+Script = str | Mapping[Dialect, str]
+
+MIGRATIONS: tuple[tuple[int, Script], ...] = (
     (1, """
         create table tasks (
             task_id text primary key,
@@ -58,27 +76,111 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
             primary key (topic, partition)
         );
     """),
+    (2, """
+        -- dashboard: tasks newest first, keyset-paginated, optionally by state (by workflow: filtered, few
+        -- workflows). Every task row changes with each of its events, and an update that changes an indexed
+        -- column writes to every index of the table: the by-state index now orders by creation instead of
+        -- adding one more index beside it.
+        drop index tasks_by_status;
+        create index tasks_by_created on tasks (created_at, task_id);
+        create index tasks_by_status_created on tasks (status, created_at, task_id);
+        -- dashboard: failed steps, most recent first (partial: only failed rows are in it)
+        create index steps_failed on steps (updated_at, task_id, step)
+            where status in ('failed', 'compensation_failed');
+        -- dashboard: events per minute
+        create index task_history_by_time on task_history (occurred_at);
+        -- one row per dead letter on the dlq topic, and whether an operator replayed it
+        create table dlq_entries (
+            partition integer not null,
+            dlq_offset integer not null,
+            message_key text,
+            origin_topic text,
+            origin_partition integer,
+            origin_offset integer,
+            consumer_group text,
+            reason text,
+            error_class text,
+            error_kind text,
+            message_type text,
+            size integer not null,
+            dead_at integer not null,
+            replayed_at integer,
+            replayed_to text,
+            primary key (partition, dlq_offset)
+        );
+        create index dlq_by_time on dlq_entries (dead_at, partition, dlq_offset);
+        -- events the row mapping refused (a constraint broke): kept, so replays refuse them alike
+        create table projection_errors (
+            topic text not null,
+            partition integer not null,
+            event_offset integer not null,
+            task_id text,
+            event_type text,
+            error text not null,
+            primary key (topic, partition, event_offset)
+        );
+    """),
+    (3, """
+        -- compensation of a step: its own attempts, failures, calls and last error; attempt_id and
+        -- complete_by hold the lock and deadline of whichever attempt is in progress, forward or compensating
+        alter table steps add column compensation_attempt integer not null default 0;
+        alter table steps add column compensation_failure_count integer not null default 0;
+        alter table steps add column compensation_calls_used integer not null default 0;
+        alter table steps add column compensation_error text;
+        -- the supervisor's scan: steps with an attempt in progress (forward or compensating) by deadline,
+        -- one ordered range, keyset-paginated
+        create index steps_leased on steps (complete_by, task_id, step) where status in ('processing', 'compensating');
+    """),
 )
 
 
-def migrate(conn: sqlite3.Connection) -> int:
-    """Bring the database to the newest version; returns it. Safe to call from several processes."""
-    conn.execute("create table if not exists schema_migrations (version integer primary key, applied_at integer)")
-    current = conn.execute("select coalesce(max(version), 0) from schema_migrations").fetchone()[0]
+
+_AUTOINCREMENT = re.compile(r"\binteger\s+primary\s+key\s+autoincrement\b", re.IGNORECASE)
+_INTEGER = re.compile(r"\binteger\b", re.IGNORECASE)
+_COMMENT = re.compile(r"--[^\n]*")
+
+
+def statements(script: Script, dialect: Dialect) -> list[str]:
+    """The statements of one migration in ``dialect``, in order."""
+    if isinstance(script, Mapping):
+        text = script[dialect]
+    elif dialect == "postgresql":
+        text = _INTEGER.sub("bigint", _AUTOINCREMENT.sub("bigint generated by default as identity primary key",
+                                                         script))
+    else:
+        text = script
+    # Comments go first: a ";" inside one would otherwise split a statement.
+    return [s.strip() for s in _COMMENT.sub("", text).split(";") if s.strip()]
+
+
+class MigrationTarget(Protocol):
+    """What ``migrate`` needs from a backend: its dialect, statements, and a migrators-only transaction."""
+
+    @property
+    def dialect(self) -> Dialect: ...
+
+    def execute(self, sql: str, params: tuple[Any, ...] = ..., /) -> Any: ...
+
+    def exclusive(self) -> AbstractContextManager[None]:
+        """A transaction that one migrator at a time can be in (commits on exit, rolls back on error)."""
+        ...
+
+
+def migrate(db: MigrationTarget) -> int:
+    """Bring the store to the newest version; returns it. Safe to call from several processes at once."""
+    with db.exclusive():  # concurrent "create table if not exists" can collide in PostgreSQL's catalog
+        for statement in statements("create table if not exists schema_migrations "
+                                    "(version integer primary key, applied_at integer)", db.dialect):
+            db.execute(statement)
+    current = int(db.execute("select coalesce(max(version), 0) from schema_migrations").fetchone()[0])
     for version, script in MIGRATIONS:
         if version <= current:
             continue
-        conn.execute("begin immediate")
-        try:
-            if conn.execute("select 1 from schema_migrations where version = ?", (version,)).fetchone():
-                conn.execute("rollback")
-                continue
-            for statement in filter(str.strip, script.split(";")):
-                conn.execute(statement)
-            conn.execute("insert into schema_migrations values (?, ?)", (version, int(time.time())))
-            conn.execute("commit")
-        except BaseException:
-            conn.execute("rollback")
-            raise
+        with db.exclusive():
+            # Another process may have applied it while this one waited for the lock.
+            if db.execute("select 1 from schema_migrations where version = ?", (version,)).fetchone() is None:
+                for statement in statements(script, db.dialect):
+                    db.execute(statement)
+                db.execute("insert into schema_migrations values (?, ?)", (version, int(time.time())))
         current = version
-    return int(current)
+    return current

@@ -2,6 +2,11 @@
 
 Written against a DB-API connection with ``?`` placeholders so every backend shares it; it runs inside
 the backend's transaction, together with the offset update.
+
+A step row's ``attempt_id`` and ``complete_by`` are the lock and deadline of whichever attempt of the step
+is in progress, forward (``processing``) or compensating, so the supervisor's one scan finds both; the
+compensation's own attempt number, failures, calls and error have columns of their own. Bodies in
+``task_history`` are the events as the log holds them: sealed fields stay sealed.
 """
 
 from __future__ import annotations
@@ -12,13 +17,23 @@ from typing import Any, Protocol
 import orjson
 
 from schemas.messages import (
+    CompensationRetried,
+    CompensationStarted,
     Event,
     MessageIgnored,
     OperatorAlert,
+    OperatorCommandRefused,
+    StepCompensated,
+    StepCompensationFailed,
+    StepCompensationSkipped,
+    StepCompensationStarted,
     StepFailed,
+    StepResubmitted,
     StepStarted,
     StepSucceeded,
     TaskAccepted,
+    TaskCompensated,
+    TaskCompensationFailed,
     TaskCompleted,
     TaskFailed,
     TaskRejected,
@@ -85,6 +100,49 @@ def project(db: Executor, event: Event) -> None:
         case OperatorAlert():
             db.execute("insert into alerts(task_id, step, reason, occurred_at) values (?, ?, ?, ?)",
                        (event.task_id, event.step, event.reason, at))
-        case MessageIgnored():
+        case StepResubmitted():
+            db.execute("update steps set failure_count = 0, calls_used = 0, updated_at = ? where task_id = ? "
+                       "and step = ?", (at, event.task_id, event.step))
+            db.execute("update tasks set status = 'running', error = null where task_id = ?", (event.task_id,))
+        case CompensationStarted():
+            # An operator's compensation of a task in error keeps the error that put it there.
+            error = None if event.trigger == "operator" else (
+                f"{event.step}: {event.reason}" if event.step else event.reason)
+            db.execute("update tasks set status = 'compensating', current_step = null, error = coalesce(?, error) "
+                       "where task_id = ?", (error, event.task_id))
+        case StepCompensationSkipped():
+            db.execute("update steps set status = 'compensation_skipped', updated_at = ? where task_id = ? "
+                       "and step = ?", (at, event.task_id, event.step))
+        case StepCompensationStarted():
+            db.execute(
+                "update steps set status = 'compensating', compensation_attempt = ?, attempt_id = ?, complete_by = ?, "
+                "updated_at = ? where task_id = ? and step = ?",
+                (event.attempt, event.attempt_id, ms(event.complete_by), at, event.task_id, event.step),
+            )
+            db.execute("update tasks set current_step = ? where task_id = ?", (event.step, event.task_id))
+        case StepCompensated():
+            db.execute(
+                "update steps set status = 'compensated', compensation_calls_used = compensation_calls_used + ?, "
+                "compensation_error = null, updated_at = ? where task_id = ? and step = ?",
+                (event.calls, at, event.task_id, event.step),
+            )
+        case StepCompensationFailed():
+            db.execute(
+                "update steps set status = 'compensation_failed', compensation_failure_count = ?, "
+                "compensation_calls_used = compensation_calls_used + ?, compensation_error = ?, updated_at = ? "
+                "where task_id = ? and step = ?",
+                (event.failure_count, event.calls, event.error, at, event.task_id, event.step),
+            )
+        case CompensationRetried():
+            db.execute("update steps set compensation_failure_count = 0, compensation_calls_used = 0, updated_at = ? "
+                       "where task_id = ? and step = ?", (at, event.task_id, event.step))
+            db.execute("update tasks set status = 'compensating' where task_id = ?", (event.task_id,))
+        case TaskCompensated():
+            db.execute("update tasks set status = 'compensated', current_step = null where task_id = ?",
+                       (event.task_id,))
+        case TaskCompensationFailed():
+            db.execute("update tasks set status = 'compensation_failed', current_step = null, error = ? "
+                       "where task_id = ?", (f"{event.step}: {event.reason}", event.task_id))
+        case MessageIgnored() | OperatorCommandRefused():
             pass
     db.execute(task_update, (event.sequence, at, event.task_id))

@@ -9,6 +9,15 @@ had, and what lets tests compare decisions by value.
 
 State is only ever a fold of events. ``decide`` builds its events by evolving a working copy of the
 state as it goes, so every decision it returns has already passed ``evolve``'s transition checks.
+
+Compensation is part of the same machine. When a step gives up and its workflow's policy is
+``compensate`` (or an operator cancels a running task, or orders compensation of a task in error), the
+task goes to ``compensating``: ``CompensationStarted`` names the completed steps to undo, last completed
+first, and each is undone by its compensation's agent in attempts that are locked, timed, budgeted and
+recovered exactly like forward attempts, or recorded as having nothing to undo. The task ends
+``compensated``, or ``compensation_failed`` with an operator alert naming the step that could not be
+undone; nothing is undone out of order, so the steps before it stay as they were until an operator
+retries it.
 """
 
 from __future__ import annotations
@@ -16,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any, Literal, TypeAlias
 
@@ -24,16 +33,27 @@ import orjson
 
 from scheduler.workflow import Workflow, WorkflowNotFoundError, WorkflowRegistry
 from schemas.messages import (
+    CompensationRetried,
+    CompensationStarted,
     Event,
     MessageIgnored,
     OperatorAlert,
+    OperatorCommand,
+    OperatorCommandRefused,
     RecoverStep,
+    StepCompensated,
+    StepCompensationFailed,
+    StepCompensationSkipped,
+    StepCompensationStarted,
     StepFailed,
+    StepResubmitted,
     StepResult,
     StepStarted,
     StepSucceeded,
     SubmitTask,
     TaskAccepted,
+    TaskCompensated,
+    TaskCompensationFailed,
     TaskCompleted,
     TaskFailed,
     TaskRejected,
@@ -43,12 +63,17 @@ TaskStatus = Literal[
     "accepted", "running", "completed", "error", "rejected", "compensating", "compensated", "compensation_failed"
 ]
 StepStatus = Literal[
-    "pending", "processing", "succeeded", "failed", "compensating", "compensated", "compensation_failed"
+    "pending", "processing", "succeeded", "failed", "compensating", "compensated", "compensation_failed",
+    "compensation_skipped",
 ]
 TERMINAL: frozenset[str] = frozenset({"completed", "error", "rejected", "compensated", "compensation_failed"})
-"""Task statuses no command can leave: a terminal task only records ignored messages and alerts."""
+"""Task statuses no agent result or recovery can leave: a terminal task only records ignored messages."""
+FINAL: frozenset[str] = frozenset({"completed", "rejected", "compensated"})
+"""Terminal statuses nothing can leave. ``error`` and ``compensation_failed`` wait for an operator."""
 
-Command: TypeAlias = SubmitTask | StepResult | RecoverStep
+Command: TypeAlias = SubmitTask | StepResult | RecoverStep | OperatorCommand
+_RECORDS = (MessageIgnored, OperatorAlert, OperatorCommandRefused)
+"""Events that record something for operators and change nothing but the sequence (and seen commands)."""
 
 # Event ids are uuid5(task id, sequence): unique within the log (a task's sequence numbers never repeat)
 # and the same every time the same decision is made again.
@@ -64,12 +89,31 @@ class InvalidTransition(ValueError):
 
 
 @dataclass(frozen=True)
+class CompensationState:
+    """The compensation of one step, as far as it got: its attempts, budget spent and outcome.
+
+    Counted apart from the forward step's because it is a different call with its own budget; its
+    attempt numbers are the fencing tokens of the compensating call.
+    """
+
+    attempt: int = 0
+    attempt_id: str | None = None
+    complete_by: datetime | None = None
+    failure_count: int = 0
+    calls_used: int = 0
+    calls_allowed: int = 0
+    output: dict[str, Any] | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
 class StepState:
     """One step of a task, as far as the task got: a step appears when its first attempt starts.
 
-    ``calls_used`` only grows and never exceeds the step's ``attempt_budget``; ``calls_allowed`` is what
-    the current (or last) attempt was granted, kept so a timed-out attempt can be charged in full.
-    ``error`` is the last failure's, kept across retries for operators.
+    ``calls_used`` only grows within a round and never exceeds the step's ``attempt_budget``; an
+    operator's resubmit opens a new round. ``calls_allowed`` is what the current (or last) attempt was
+    granted, kept so a timed-out attempt can be charged in full. ``error`` is the last failure's, kept
+    across retries for operators.
     """
 
     name: str
@@ -82,6 +126,25 @@ class StepState:
     calls_allowed: int = 0
     output: dict[str, Any] | None = None
     error: str | None = None
+    compensation: CompensationState = field(default_factory=CompensationState)
+
+    @property
+    def lock(self) -> str | None:
+        """The attempt in progress (``locked_by``): the forward one, or the compensation's."""
+        if self.status == "processing":
+            return self.attempt_id
+        if self.status == "compensating":
+            return self.compensation.attempt_id
+        return None
+
+    @property
+    def deadline(self) -> datetime | None:
+        """``complete_by`` of the attempt in progress."""
+        if self.status == "processing":
+            return self.complete_by
+        if self.status == "compensating":
+            return self.compensation.complete_by
+        return None
 
 
 @dataclass(frozen=True)
@@ -90,6 +153,8 @@ class TaskState:
 
     A rejected task keeps the digest and addressee of its submission but not its input (``{}``): that is
     enough to tell a repeat from a contradiction, without storing payloads that were never admitted.
+    ``current_step`` is the step with an attempt in progress, forward or compensating. ``commands`` are
+    the operator command ids already answered, so a repeated command changes nothing.
     """
 
     task_id: str
@@ -103,6 +168,7 @@ class TaskState:
     reply_topic: str | None
     steps: tuple[StepState, ...]
     current_step: int | None
+    commands: frozenset[str] = frozenset()
 
     @property
     def is_terminal(self) -> bool:
@@ -114,6 +180,24 @@ class TaskState:
             "task": self.input,
             "steps": {step.name: step.output for step in self.steps if step.status == "succeeded"},
         }
+
+    def compensation_input(self, index: int) -> dict[str, Any]:
+        """What a compensation's agent gets: the task input, the step's output and the outputs before it.
+
+        The same for every attempt of the compensation (outputs never change once recorded), which the
+        remote service requires of requests sharing an idempotency key.
+        """
+        return {
+            "task": self.input,
+            "steps": {step.name: step.output for step in self.steps[: index + 1] if step.output is not None},
+        }
+
+    def undo_candidate(self) -> int | None:
+        """The step to undo next: the last completed one not yet undone (or whose undoing failed)."""
+        for index in range(len(self.steps) - 1, -1, -1):
+            if self.steps[index].status in ("succeeded", "compensation_failed"):
+                return index
+        return None
 
 
 @dataclass(frozen=True)
@@ -156,6 +240,21 @@ def attempt_id(task_id: str, step: str, attempt: int) -> str:
     return f"{task_id}:{step}:{attempt}"
 
 
+def compensation_attempt_id(task_id: str, step: str, attempt: int) -> str:
+    """The lock of one compensation attempt; ``undo`` keeps it apart from every forward attempt id."""
+    return f"{task_id}:{step}:undo:{attempt}"
+
+
+def idempotency_key(task_id: str, step: str) -> str:
+    """The key the remote service deduplicates a step's calls by: the same across all its attempts."""
+    return f"{task_id}:{step}"
+
+
+def compensation_idempotency_key(task_id: str, step: str) -> str:
+    """The key of a step's compensating call: stable across its attempts, distinct from the step's own."""
+    return f"{task_id}:{step}:undo"
+
+
 # ---- decide -------------------------------------------------------------------------------------
 
 
@@ -184,6 +283,8 @@ def decide(
     if state is None:
         return Decision((), dead_letter=f"unknown task {command.task_id!r}")
     builder = _Builder.on(command, state, now)
+    if isinstance(command, OperatorCommand):
+        return _on_operator(builder, command, registry)
     reason = _not_current(state, command)
     if reason is None and isinstance(command, RecoverStep):
         reason = _deadline_not_passed(_current(state)[1], now)
@@ -199,10 +300,11 @@ def decide(
         workflow = registry.get(state.workflow, state.workflow_version)
     except WorkflowNotFoundError as exc:
         return Decision((), dead_letter=f"unknown workflow {state.workflow!r} v{state.workflow_version}: {exc}")
+    undoing = _current(state)[1].status == "compensating"
     if isinstance(command, StepResult):
-        _on_result(builder, workflow, command)
+        (_on_compensation_result if undoing else _on_result)(builder, workflow, command)
     else:
-        _on_timeout(builder, workflow, command)
+        (_on_compensation_timeout if undoing else _on_timeout)(builder, workflow, command)
     return builder.decision()
 
 
@@ -309,8 +411,8 @@ def _not_current(state: TaskState, command: StepResult | RecoverStep) -> str | N
     if state.current_step is None:
         return "no attempt is in progress"
     current = state.steps[state.current_step]
-    if current.attempt_id != command.attempt_id:
-        return f"not the current attempt: step {current.name!r} is at {current.attempt_id}"
+    if current.lock != command.attempt_id:
+        return f"not the current attempt: step {current.name!r} is at {current.lock}"
     if isinstance(command, StepResult) and command.step != current.name:
         return f"the result names step {command.step!r} but attempt {command.attempt_id} is of {current.name!r}"
     return None
@@ -318,9 +420,26 @@ def _not_current(state: TaskState, command: StepResult | RecoverStep) -> str | N
 
 def _deadline_not_passed(current: StepState, now: datetime) -> str | None:
     """A recovery is conditional on the deadline: the supervisor's clock may run ahead of the scheduler's."""
-    if current.complete_by is not None and now < current.complete_by:
-        return f"deadline not passed: attempt {current.attempt_id} may run until {current.complete_by.isoformat()}"
+    deadline = current.deadline
+    if deadline is not None and now < deadline:
+        return f"deadline not passed: attempt {current.lock} may run until {deadline.isoformat()}"
     return None
+
+
+def _alert_overspend(builder: _Builder, step: str, attempt: str | None, reported: int, allowed: int) -> None:
+    """An agent reported more calls than it was allowed: only the allowance is charged, and a person is told."""
+    if reported > allowed:
+        builder.emit(
+            OperatorAlert,
+            step=step,
+            reason=(
+                f"agent overspent: attempt {attempt} reported {reported} calls but was allowed "
+                f"{allowed}; only {allowed} were counted against the budget"
+            ),
+        )
+
+
+# ---- forward steps ------------------------------------------------------------------------------
 
 
 def _on_result(builder: _Builder, workflow: Workflow, result: StepResult) -> None:
@@ -334,15 +453,7 @@ def _on_result(builder: _Builder, workflow: Workflow, result: StepResult) -> Non
         error = result.error or "the agent reported a failure without detail"
         builder.emit(StepFailed, step=current.name, attempt_id=current.attempt_id, error=error,
                      permanent=result.permanent, calls=charged, failure_count=current.failure_count + 1)
-    if result.calls > charged:
-        builder.emit(
-            OperatorAlert,
-            step=current.name,
-            reason=(
-                f"agent overspent: attempt {current.attempt_id} reported {result.calls} calls but was allowed "
-                f"{current.calls_allowed}; only {charged} were counted against the step's budget"
-            ),
-        )
+    _alert_overspend(builder, current.name, current.attempt_id, result.calls, current.calls_allowed)
     if result.ok:
         if index + 1 < len(workflow.steps):
             _start_attempt(builder, workflow, index + 1)
@@ -350,7 +461,7 @@ def _on_result(builder: _Builder, workflow: Workflow, result: StepResult) -> Non
             outputs = {step.name: step.output for step in builder.state.steps}
             builder.emit(TaskCompleted, output=outputs)
     elif result.permanent:
-        _escalate(builder, current.name, f"permanent failure of step {current.name!r}: {error}")
+        _escalate(builder, workflow, current.name, f"permanent failure of step {current.name!r}: {error}")
     else:
         _retry_or_escalate(builder, workflow, index)
 
@@ -381,6 +492,7 @@ def _retry_or_escalate(builder: _Builder, workflow: Workflow, index: int) -> Non
     if step.failure_count >= workflow.failure_threshold:
         _escalate(
             builder,
+            workflow,
             step.name,
             f"failure threshold reached: {step.failure_count} failed attempts of step {step.name!r} "
             f"(threshold {workflow.failure_threshold})",
@@ -401,6 +513,7 @@ def _start_attempt(builder: _Builder, workflow: Workflow, index: int) -> None:
     if allowed <= 0:
         _escalate(
             builder,
+            workflow,
             step.name,
             f"attempt budget exhausted: step {step.name!r} used {prior.calls_used} of its "
             f"{step.attempt_budget} calls",
@@ -418,18 +531,244 @@ def _start_attempt(builder: _Builder, workflow: Workflow, index: int) -> None:
     )
 
 
-def _escalate(builder: _Builder, step: str, reason: str) -> None:
+def _escalate(builder: _Builder, workflow: Workflow, step: str, reason: str) -> None:
     """Give up on a step: the one place that decides what that does to its task.
 
-    Every path that stops retrying comes here. Both escalation policies currently end the task in
-    ``error`` with an operator alert, because the model has no compensation events yet; the workflow's
-    ``compensate`` policy will branch here, and only here, when it does.
+    Every path that stops retrying comes here. The workflow's policy chooses: ``error`` stops the task
+    with an operator alert (an operator may resubmit the step or order compensation); ``compensate``
+    undoes the completed steps at once, and alerts only if that fails.
     """
+    if workflow.escalation == "compensate":
+        _begin_compensation(builder, workflow, "escalation", reason, step=step)
+        return
     builder.emit(TaskFailed, step=step, reason=reason)
     builder.emit(OperatorAlert, step=step, reason=reason)
 
 
+# ---- compensation -------------------------------------------------------------------------------
+
+
+def _begin_compensation(builder: _Builder, workflow: Workflow, trigger: Literal["escalation", "operator", "cancel"],
+                        reason: str, *, step: str | None = None, command: OperatorCommand | None = None) -> None:
+    """Record the plan (the completed steps, last completed first) and start undoing the first of them."""
+    plan = [s.name for s in reversed(builder.state.steps) if s.status == "succeeded"]
+    builder.emit(CompensationStarted, trigger=trigger, reason=reason, steps=plan, step=step,
+                 command_id=command.command_id if command else None, operator=command.operator if command else None)
+    _compensate_next(builder, workflow)
+
+
+def _compensate_next(builder: _Builder, workflow: Workflow) -> None:
+    """Undo the last completed step not yet undone; a step without a compensation has nothing to undo."""
+    while (index := builder.state.undo_candidate()) is not None:
+        spec = workflow.steps[index]
+        if spec.compensation is None:
+            builder.emit(StepCompensationSkipped, step=spec.name,
+                         reason=f"step {spec.name!r} declares no compensating action: nothing to undo")
+            continue
+        _start_compensation_attempt(builder, workflow, index)
+        return
+    builder.emit(TaskCompensated)
+
+
+def _start_compensation_attempt(builder: _Builder, workflow: Workflow, index: int) -> None:
+    """Hand the next attempt of step ``index``'s compensation to its agent, within the compensation's budget."""
+    spec = workflow.steps[index]
+    compensation = spec.compensation
+    if compensation is None:
+        raise ValueError(f"step {spec.name!r} has no compensation to attempt")
+    prior = builder.state.steps[index].compensation
+    allowed = min(compensation.calls_per_attempt, compensation.attempt_budget - prior.calls_used)
+    if allowed <= 0:
+        _compensation_failed(
+            builder,
+            spec.name,
+            f"compensation budget exhausted: the compensation of step {spec.name!r} used {prior.calls_used} "
+            f"of its {compensation.attempt_budget} calls",
+        )
+        return
+    attempt = prior.attempt + 1
+    builder.emit(
+        StepCompensationStarted,
+        step=spec.name,
+        step_index=index,
+        attempt=attempt,
+        attempt_id=compensation_attempt_id(builder.state.task_id, spec.name, attempt),
+        complete_by=builder.now + timedelta(seconds=compensation.timeout_s),
+        calls_allowed=allowed,
+    )
+
+
+def _on_compensation_result(builder: _Builder, workflow: Workflow, result: StepResult) -> None:
+    """The current compensation attempt's agent answered: undo the next step, retry, or give up."""
+    index, current = _current(builder.state)
+    undo = current.compensation
+    charged = min(result.calls, undo.calls_allowed)
+    if result.ok:
+        builder.emit(StepCompensated, step=current.name, attempt_id=undo.attempt_id, output=result.output or {},
+                     calls=charged)
+    else:
+        error = result.error or "the agent reported a failure without detail"
+        builder.emit(StepCompensationFailed, step=current.name, attempt_id=undo.attempt_id, error=error,
+                     permanent=result.permanent, calls=charged, failure_count=undo.failure_count + 1)
+    _alert_overspend(builder, current.name, undo.attempt_id, result.calls, undo.calls_allowed)
+    if result.ok:
+        _compensate_next(builder, workflow)
+    elif result.permanent:
+        _compensation_failed(builder, current.name,
+                             f"permanent failure of the compensation of step {current.name!r}: {error}")
+    else:
+        _retry_compensation_or_fail(builder, workflow, index)
+
+
+def _on_compensation_timeout(builder: _Builder, workflow: Workflow, recover: RecoverStep) -> None:
+    """The compensation attempt's deadline passed: charged in full, like a forward attempt that never answered."""
+    index, current = _current(builder.state)
+    undo = current.compensation
+    builder.emit(
+        StepCompensationFailed,
+        step=current.name,
+        attempt_id=undo.attempt_id,
+        error=f"attempt {undo.attempt_id} timed out: {recover.reason}",
+        permanent=False,
+        timed_out=True,
+        calls=undo.calls_allowed,
+        failure_count=undo.failure_count + 1,
+    )
+    _retry_compensation_or_fail(builder, workflow, index)
+
+
+def _retry_compensation_or_fail(builder: _Builder, workflow: Workflow, index: int) -> None:
+    """The workflow's failure threshold bounds a compensation's failed attempts as it bounds a step's."""
+    step = builder.state.steps[index]
+    if step.compensation.failure_count >= workflow.failure_threshold:
+        _compensation_failed(
+            builder,
+            step.name,
+            f"failure threshold reached: {step.compensation.failure_count} failed attempts of the compensation "
+            f"of step {step.name!r} (threshold {workflow.failure_threshold})",
+        )
+    else:
+        _start_compensation_attempt(builder, workflow, index)
+
+
+def _compensation_failed(builder: _Builder, step: str, reason: str) -> None:
+    """A step cannot be undone: stop (undoing earlier steps first could break their order) and tell a person."""
+    builder.emit(TaskCompensationFailed, step=step, reason=reason)
+    builder.emit(OperatorAlert, step=step, reason=reason)
+
+
+# ---- operator commands --------------------------------------------------------------------------
+
+
+def _on_operator(builder: _Builder, command: OperatorCommand, registry: WorkflowRegistry) -> Decision:
+    """Apply an operator's command, or record why the task's state refuses it. A repeat changes nothing."""
+    state = builder.state
+    if command.command_id in state.commands:
+        return Decision(())
+    refusal, index = _check_operator(state, command)
+    if refusal is not None:
+        builder.emit(OperatorCommandRefused, command_id=command.command_id, action=command.action,
+                     step=command.step, operator=command.operator, reason=refusal)
+        return builder.decision()
+    try:
+        workflow = registry.get(state.workflow, state.workflow_version)
+    except WorkflowNotFoundError as exc:
+        return Decision((), dead_letter=f"unknown workflow {state.workflow!r} v{state.workflow_version}: {exc}")
+    who = f"operator {command.operator}" if command.operator else "an operator"
+    match command.action:
+        case "resubmit":
+            assert index is not None
+            builder.emit(StepResubmitted, step=state.steps[index].name, command_id=command.command_id,
+                         operator=command.operator)
+            _start_attempt(builder, workflow, index)
+        case "retry-compensation":
+            assert index is not None
+            builder.emit(CompensationRetried, step=state.steps[index].name, command_id=command.command_id,
+                         operator=command.operator)
+            _start_compensation_attempt(builder, workflow, index)
+        case "compensate":
+            _begin_compensation(builder, workflow, "operator",
+                                f"compensation ordered by {who} (command {command.command_id})", command=command)
+        case "cancel":
+            if state.current_step is not None:
+                _abandon(builder, command)
+            _begin_compensation(builder, workflow, "cancel",
+                                f"task cancelled by {who} (command {command.command_id})", command=command)
+    return builder.decision()
+
+
+def _abandon(builder: _Builder, command: OperatorCommand) -> None:
+    """End the attempt in flight of a cancelled task; its agent's late answer will name a stale attempt.
+
+    Charged its whole allowance, like a timeout: how many calls it made is unknown.
+    """
+    _index, current = _current(builder.state)
+    builder.emit(
+        StepFailed,
+        step=current.name,
+        attempt_id=current.attempt_id,
+        error=f"attempt {current.attempt_id} abandoned: task cancelled (command {command.command_id})",
+        permanent=False,
+        calls=current.calls_allowed,
+        failure_count=current.failure_count + 1,
+    )
+
+
+def _check_operator(state: TaskState, command: OperatorCommand) -> tuple[str | None, int | None]:
+    """Why the state refuses ``command`` (None: it does not), and the index of the step it acts on."""
+    status = state.status
+    action = command.action
+    doing = ""
+    if state.current_step is not None:
+        current = state.steps[state.current_step]
+        doing = f" (step {current.name!r} is {current.status}, attempt {current.lock})"
+    if action in ("compensate", "cancel"):
+        if command.step is not None:
+            return f"{action} acts on the whole task: it takes no step", None
+        if action == "compensate" and status != "error":
+            return (f"task is {status}{doing}: only a task in error can be compensated "
+                    "(cancel a running task; retry-compensation after compensation_failed)"), None
+        if action == "cancel" and status not in ("accepted", "running"):
+            return f"task is {status}: only a running task can be cancelled", None
+        return None, None
+    wanted: StepStatus = "failed" if action == "resubmit" else "compensation_failed"
+    needed = "error" if action == "resubmit" else "compensation_failed"
+    if status != needed:
+        return f"task is {status}{doing}: {action} needs a task in {needed}", None
+    names = [step.name for step in state.steps]
+    if command.step is None:
+        index = next((i for i, step in enumerate(state.steps) if step.status == wanted), None)
+        if index is None:
+            return f"task has no step in {wanted}", None
+    elif command.step in names:
+        index = names.index(command.step)
+    else:
+        return f"task has no step {command.step!r} that ran (steps: {', '.join(names)})", None
+    step = state.steps[index]
+    if step.status != wanted:
+        return f"step {step.name!r} is {step.status}: {action} needs a step in {wanted}", None
+    return None, index
+
+
 # ---- evolve -------------------------------------------------------------------------------------
+
+_ALLOWED_FROM: dict[type[Event], frozenset[str]] = {
+    StepStarted: frozenset({"accepted", "running"}),
+    StepSucceeded: frozenset({"running"}),
+    StepFailed: frozenset({"running"}),
+    TaskCompleted: frozenset({"running"}),
+    TaskFailed: frozenset({"running"}),
+    CompensationStarted: frozenset({"running", "error"}),
+    StepCompensationSkipped: frozenset({"compensating"}),
+    StepCompensationStarted: frozenset({"compensating"}),
+    StepCompensated: frozenset({"compensating"}),
+    StepCompensationFailed: frozenset({"compensating"}),
+    TaskCompensated: frozenset({"compensating"}),
+    TaskCompensationFailed: frozenset({"compensating"}),
+    StepResubmitted: frozenset({"error"}),
+    CompensationRetried: frozenset({"compensation_failed"}),
+}
+"""The task statuses each transition may follow; operator transitions are the only way out of a terminal one."""
 
 
 def evolve(state: TaskState | None, event: Event) -> TaskState:
@@ -448,26 +787,35 @@ def evolve(state: TaskState | None, event: Event) -> TaskState:
             f"task {state.task_id!r} is pinned to {state.workflow!r} v{state.workflow_version}, "
             f"the event names {event.workflow!r} v{event.workflow_version}"
         )
-    match event:
-        case MessageIgnored() | OperatorAlert():
-            return replace(state, sequence=event.sequence)
-        case TaskAccepted() | TaskRejected():
-            raise InvalidTransition(f"task {state.task_id!r} already exists: {type(event).__name__} again")
-    if state.is_terminal:
+    if isinstance(event, TaskAccepted | TaskRejected):
+        raise InvalidTransition(f"task {state.task_id!r} already exists: {type(event).__name__} again")
+    command_id = getattr(event, "command_id", None)
+    if command_id is not None:
+        if command_id in state.commands:
+            raise InvalidTransition(f"operator command {command_id!r} was already answered")
+        state = replace(state, commands=state.commands | {command_id})
+    if isinstance(event, _RECORDS):
+        return replace(state, sequence=event.sequence)
+    allowed = _ALLOWED_FROM.get(type(event))
+    if allowed is None:
+        raise InvalidTransition(f"{type(event).__name__} is not an event of the task state machine")
+    if state.status not in allowed:
         raise InvalidTransition(f"task {state.task_id!r} is {state.status}: {type(event).__name__} cannot follow")
+    if state.current_step is not None and not isinstance(
+        event, StepSucceeded | StepFailed | StepCompensated | StepCompensationFailed
+    ):
+        raise InvalidTransition(f"task {state.task_id!r} has an attempt in progress: "
+                                f"{type(event).__name__} cannot follow before it ends")
     match event:
         case StepStarted():
             return _step_started(state, event)
         case StepSucceeded():
-            index, step = _attempt_in_progress(state, event.step, event.attempt_id)
+            index, step = _attempt_in_progress(state, event.step, event.attempt_id, "processing")
             done = replace(step, status="succeeded", output=event.output, calls_used=step.calls_used + event.calls)
             return _with_step(state, event, index, done)
         case StepFailed():
-            index, step = _attempt_in_progress(state, event.step, event.attempt_id)
-            if event.failure_count != step.failure_count + 1:
-                raise InvalidTransition(
-                    f"step {step.name!r} had {step.failure_count} failures, the event says {event.failure_count}"
-                )
+            index, step = _attempt_in_progress(state, event.step, event.attempt_id, "processing")
+            _check_failure_count(step.name, step.failure_count, event.failure_count)
             failed = replace(step, status="failed", error=event.error, failure_count=event.failure_count,
                              calls_used=step.calls_used + event.calls)
             return _with_step(state, event, index, failed)
@@ -476,9 +824,42 @@ def evolve(state: TaskState | None, event: Event) -> TaskState:
                 raise InvalidTransition(f"task {state.task_id!r} cannot complete before all its steps succeeded")
             return replace(state, status="completed", sequence=event.sequence)
         case TaskFailed():
-            if not any(step.name == event.step and step.status == "failed" for step in state.steps):
-                raise InvalidTransition(f"task {state.task_id!r} cannot fail on step {event.step!r}: it has not failed")
+            _step_in(state, event.step, "failed")
             return replace(state, status="error", sequence=event.sequence)
+        case CompensationStarted():
+            return _compensation_started(state, event)
+        case StepCompensationSkipped():
+            index = _next_to_undo(state, event.step, ("succeeded",))
+            return _with_step(state, event, index, replace(state.steps[index], status="compensation_skipped"))
+        case StepCompensationStarted():
+            return _compensation_attempt_started(state, event)
+        case StepCompensated():
+            index, step = _attempt_in_progress(state, event.step, event.attempt_id, "compensating")
+            undo = replace(step.compensation, output=event.output,
+                           calls_used=step.compensation.calls_used + event.calls)
+            return _with_step(state, event, index, replace(step, status="compensated", compensation=undo))
+        case StepCompensationFailed():
+            index, step = _attempt_in_progress(state, event.step, event.attempt_id, "compensating")
+            _check_failure_count(step.name, step.compensation.failure_count, event.failure_count)
+            undo = replace(step.compensation, error=event.error, failure_count=event.failure_count,
+                           calls_used=step.compensation.calls_used + event.calls)
+            return _with_step(state, event, index, replace(step, status="compensation_failed", compensation=undo))
+        case TaskCompensated():
+            if state.undo_candidate() is not None:
+                raise InvalidTransition(f"task {state.task_id!r} still has completed steps to undo")
+            return replace(state, status="compensated", sequence=event.sequence)
+        case TaskCompensationFailed():
+            _step_in(state, event.step, "compensation_failed")
+            return replace(state, status="compensation_failed", sequence=event.sequence)
+        case StepResubmitted():
+            index = _step_in(state, event.step, "failed")
+            fresh = replace(state.steps[index], failure_count=0, calls_used=0)
+            return replace(_with_step(state, event, index, fresh), status="running")
+        case CompensationRetried():
+            index = _step_in(state, event.step, "compensation_failed")
+            step = state.steps[index]
+            fresh = replace(step, compensation=replace(step.compensation, failure_count=0, calls_used=0))
+            return replace(_with_step(state, event, index, fresh), status="compensating")
     raise InvalidTransition(f"{type(event).__name__} is not an event of the task state machine")
 
 
@@ -523,8 +904,6 @@ def _created(event: Event) -> TaskState:
 
 def _step_started(state: TaskState, event: StepStarted) -> TaskState:
     """A first attempt appends its step (all earlier ones must have succeeded); a retry follows a failure."""
-    if state.current_step is not None:
-        raise InvalidTransition(f"task {state.task_id!r} already has an attempt in progress")
     index = event.step_index
     if index == len(state.steps):
         if any(step.status != "succeeded" for step in state.steps):
@@ -554,19 +933,75 @@ def _step_started(state: TaskState, event: StepStarted) -> TaskState:
     return replace(state, status="running", sequence=event.sequence, steps=steps, current_step=index)
 
 
-def _attempt_in_progress(state: TaskState, step: str, attempt: str) -> tuple[int, StepState]:
+def _compensation_started(state: TaskState, event: CompensationStarted) -> TaskState:
+    """The plan must be exactly the completed steps, last first; only an operator compensates a task in error."""
+    expected = "error" if event.trigger == "operator" else "running"
+    if state.status != expected:
+        raise InvalidTransition(f"task {state.task_id!r} is {state.status}: a compensation by {event.trigger} "
+                                f"starts from {expected}")
+    if event.trigger != "escalation" and event.command_id is None:
+        raise InvalidTransition(f"a {event.trigger} compensation names the operator command that ordered it")
+    if event.trigger == "escalation":
+        _step_in(state, event.step or "", "failed")
+    plan = [step.name for step in reversed(state.steps) if step.status == "succeeded"]
+    if event.steps != plan:
+        raise InvalidTransition(f"compensation plan {event.steps} is not the completed steps in reverse: {plan}")
+    return replace(state, status="compensating", sequence=event.sequence)
+
+
+def _compensation_attempt_started(state: TaskState, event: StepCompensationStarted) -> TaskState:
+    """A compensation attempt: of the last completed step not yet undone, numbered after the previous one."""
+    index = _next_to_undo(state, event.step, ("succeeded", "compensation_failed"))
+    if event.step_index != index:
+        raise InvalidTransition(f"step {event.step!r} is at index {index}, not {event.step_index}")
+    step = state.steps[index]
+    if event.attempt != step.compensation.attempt + 1:
+        raise InvalidTransition(
+            f"the compensation of step {step.name!r} was at attempt {step.compensation.attempt}: "
+            f"the next is {step.compensation.attempt + 1}, not {event.attempt}"
+        )
+    undo = replace(step.compensation, attempt=event.attempt, attempt_id=event.attempt_id,
+                   complete_by=event.complete_by, calls_allowed=event.calls_allowed)
+    steps = (*state.steps[:index], replace(step, status="compensating", compensation=undo), *state.steps[index + 1 :])
+    return replace(state, sequence=event.sequence, steps=steps, current_step=index)
+
+
+def _next_to_undo(state: TaskState, name: str, statuses: tuple[StepStatus, ...]) -> int:
+    """``name``'s index, if it is the step to undo next (reverse completion order) and in one of ``statuses``."""
+    index = state.undo_candidate()
+    if index is None or state.steps[index].name != name or state.steps[index].status not in statuses:
+        expected = state.steps[index].name if index is not None else "none"
+        raise InvalidTransition(f"step {name!r} is not the next to undo of task {state.task_id!r} ({expected} is)")
+    return index
+
+
+def _step_in(state: TaskState, name: str, status: StepStatus) -> int:
+    """The index of step ``name``, which must be in ``status``."""
+    for index, step in enumerate(state.steps):
+        if step.name == name and step.status == status:
+            return index
+    raise InvalidTransition(f"task {state.task_id!r} has no step {name!r} in {status}")
+
+
+def _check_failure_count(step: str, before: int, after: int) -> None:
+    if after != before + 1:
+        raise InvalidTransition(f"step {step!r} had {before} failures, the event says {after}")
+
+
+def _attempt_in_progress(state: TaskState, step: str, attempt: str | None,
+                         status: StepStatus) -> tuple[int, StepState]:
     """The step whose attempt ``attempt`` is in progress: only that attempt's outcome can be recorded."""
     if state.current_step is None:
         raise InvalidTransition(f"task {state.task_id!r} has no attempt in progress")
     current = state.steps[state.current_step]
-    if current.name != step or current.attempt_id != attempt:
+    if current.name != step or current.lock != attempt or current.status != status:
         raise InvalidTransition(
-            f"attempt {attempt} of step {step!r} is not in progress (current: {current.attempt_id})"
+            f"attempt {attempt} of step {step!r} is not in progress (current: {current.lock}, {current.status})"
         )
     return state.current_step, current
 
 
 def _with_step(state: TaskState, event: Event, index: int, step: StepState) -> TaskState:
-    """``state`` with the attempt at ``index`` ended: no step is in progress until the next one starts."""
+    """``state`` with the step at ``index`` replaced; no attempt is in progress until the next one starts."""
     steps = (*state.steps[:index], step, *state.steps[index + 1 :])
     return replace(state, sequence=event.sequence, steps=steps, current_step=None)

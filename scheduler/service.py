@@ -5,6 +5,10 @@ partition number, so a task's commands and history always share a partition), se
 and status updates those events call for, and commits the inbox offsets, all in one Kafka transaction.
 Owning an inbox partition in the consumer group is the lock on its tasks; before handling any command of
 a newly assigned partition it restores that partition's tasks by folding ``events``.
+
+Compensation attempts are agent requests like forward ones, to the compensation's agent, with the step's
+compensation idempotency key. Sensitive output fields are sealed on their way to ``events`` and opened
+when a partition is restored (``scheduler.sealing``); the agents get clear values, as their services need.
 """
 
 from __future__ import annotations
@@ -24,24 +28,39 @@ from eventstore.replay import ReplayReader
 from eventstore.runtime import ConsumerRuntime, Record
 from eventstore.settings import ConsumerSettings, KafkaSettings
 from eventstore.topics import TopicLayout, TopicSpec, ensure_topics
-from scheduler.decider import Limits, TaskState, decide, evolve
+from scheduler.decider import (
+    Limits,
+    TaskState,
+    compensation_idempotency_key,
+    decide,
+    evolve,
+    idempotency_key,
+)
+from scheduler.sealing import EventSealer
 from scheduler.workflow import WorkflowRegistry
 from schemas.messages import (
     AgentRequest,
+    CompensationStarted,
     Event,
     Message,
+    OperatorCommand,
     RecoverStep,
     StatusUpdate,
+    StepCompensated,
+    StepCompensationStarted,
     StepFailed,
     StepResult,
     StepStarted,
     StepSucceeded,
     SubmitTask,
     TaskAccepted,
+    TaskCompensated,
+    TaskCompensationFailed,
     TaskCompleted,
     TaskFailed,
     TaskRejected,
 )
+from schemas.sealed import Keyring
 
 log = structlog.get_logger("stepstream.scheduler")
 
@@ -54,55 +73,61 @@ _STATUS_OF: dict[type[Event], str] = {
     StepFailed: "step_failed",
     TaskCompleted: "completed",
     TaskFailed: "failed",
+    CompensationStarted: "compensating",
+    StepCompensated: "step_compensated",
+    TaskCompensated: "compensated",
+    TaskCompensationFailed: "compensation_failed",
 }
 
 
 class Scheduler:
     """Holds the state of the tasks on the partitions it owns; everything else is the decider's."""
 
-    def __init__(self, *, bootstrap: str, layout: TopicLayout, registry: WorkflowRegistry, limits: Limits) -> None:
+    def __init__(self, *, bootstrap: str, layout: TopicLayout, registry: WorkflowRegistry, limits: Limits,
+                 keyring: Keyring | None = None) -> None:
         self.bootstrap = bootstrap
         self.layout = layout
         self.registry = registry
         self.limits = limits
+        # Checked before anything runs: sensitive workflows without a key never start.
+        self.sealer = EventSealer(registry, keyring)
         self._tasks: dict[int, dict[str, TaskState]] = {}
         self._admin = AdminClient({"bootstrap.servers": bootstrap})
         self._known_topics: set[str] = set()
+        # Non-terminal tasks per partition, kept up to date as states change: admission control asks for
+        # it on every submission, and counting would walk every task the partition ever held.
+        self._live: dict[int, int] = {}
 
     # -- commands -----------------------------------------------------------------------------
 
     def handle(self, record: Record, output: EventProducer) -> None:
         command = record.message
-        if not isinstance(command, (SubmitTask, StepResult, RecoverStep)):
+        if not isinstance(command, (SubmitTask, StepResult, RecoverStep, OperatorCommand)):
             raise PoisonMessageError(f"{type(command).__name__} is not a command the scheduler takes")
         tasks = self._tasks.setdefault(record.partition, {})
         state = tasks.get(command.task_id)
+        was_live = state is not None and not state.is_terminal
         decision = decide(command, state, registry=self.registry, now=datetime.now(UTC),
                           in_flight=self.in_flight(record.partition), limits=self.limits)
         for event in decision.events:
             state = evolve(state, event)
-            output.send(self.layout.events, event, partition=record.partition)
+            output.send(self.layout.events, self.sealer.seal(event), partition=record.partition)
             self._effects(event, state, command, output)
         if state is not None:
             tasks[command.task_id] = state
-        IN_FLIGHT.labels(str(record.partition)).set(self.in_flight(record.partition))
+            live = self._live.get(record.partition, 0) + (not state.is_terminal) - was_live
+            self._live[record.partition] = live
+            IN_FLIGHT.labels(str(record.partition)).set(live)
         if decision.dead_letter is not None:
             # The alert event (if any) is already in this transaction; the command itself is dead-lettered.
             raise PoisonMessageError(decision.dead_letter)
 
     def in_flight(self, partition: int) -> int:
-        return sum(1 for state in self._tasks.get(partition, {}).values() if not state.is_terminal)
+        return self._live.get(partition, 0)
 
     def _effects(self, event: Event, state: TaskState, command: Message, output: EventProducer) -> None:
-        if isinstance(event, StepStarted):
-            workflow = self.registry.get(state.workflow, state.workflow_version)
-            step = workflow.step(event.step)
-            self._ensure_topic(TopicSpec(self.layout.agent(step.agent), self.layout.partitions))
-            output.send(self.layout.agent(step.agent), AgentRequest(
-                task_id=state.task_id, step=event.step, attempt=event.attempt, attempt_id=event.attempt_id,
-                idempotency_key=f"{state.task_id}:{event.step}", complete_by=event.complete_by,
-                calls_allowed=event.calls_allowed, input=state.step_input(),
-            ))
+        if isinstance(event, StepStarted | StepCompensationStarted):
+            self._request(event, state, output)
             return
         status = _STATUS_OF.get(type(event))
         reply_topic = self._reply_topic(state, command)
@@ -111,6 +136,23 @@ class Scheduler:
         detail = getattr(event, "step", None) or getattr(event, "reason", None)
         output.send(reply_topic, StatusUpdate(task_id=state.task_id, status=status,  # type: ignore[arg-type]
                                               detail=detail))
+
+    def _request(self, event: StepStarted | StepCompensationStarted, state: TaskState, output: EventProducer) -> None:
+        """The agent request an attempt's start calls for: the step's own agent, or its compensation's."""
+        step = self.registry.get(state.workflow, state.workflow_version).step(event.step)
+        if isinstance(event, StepStarted):
+            agent, key, data = step.agent, idempotency_key(state.task_id, step.name), state.step_input()
+        else:
+            if step.compensation is None:
+                raise ValueError(f"step {step.name!r} has no compensation to request")
+            agent = step.compensation.agent
+            key = compensation_idempotency_key(state.task_id, step.name)
+            data = state.compensation_input(event.step_index)
+        self._ensure_topic(TopicSpec(self.layout.agent(agent), self.layout.partitions))
+        output.send(self.layout.agent(agent), AgentRequest(
+            task_id=state.task_id, step=event.step, attempt=event.attempt, attempt_id=event.attempt_id,
+            idempotency_key=key, complete_by=event.complete_by, calls_allowed=event.calls_allowed, input=data,
+        ))
 
     def _reply_topic(self, state: TaskState, command: Message) -> str | None:
         """A submitter's private topic. Only names under this deployment's status prefix are served."""
@@ -143,8 +185,10 @@ class Scheduler:
             reader = ReplayReader(self.bootstrap, self.layout.events, partitions=[tp.partition])
             for record in reader:
                 if isinstance(record.message, Event):
-                    tasks[record.message.task_id] = evolve(tasks.get(record.message.task_id), record.message)
+                    event = self.sealer.unseal(record.message)
+                    tasks[event.task_id] = evolve(tasks.get(event.task_id), event)
             self._tasks[tp.partition] = tasks
+            self._live[tp.partition] = sum(1 for state in tasks.values() if not state.is_terminal)
             IN_FLIGHT.labels(str(tp.partition)).set(self.in_flight(tp.partition))
             log.info("partition restored", partition=tp.partition, tasks=len(tasks),
                      in_flight=self.in_flight(tp.partition), events=reader.stats.records)
@@ -152,20 +196,22 @@ class Scheduler:
     def forget(self, partitions: list[TopicPartition]) -> None:
         for tp in partitions:
             self._tasks.pop(tp.partition, None)
+            self._live.pop(tp.partition, None)
 
     def restore_all(self) -> None:
         """After an aborted transaction the in-memory state ran ahead of the log: rebuild it."""
         owned = [TopicPartition(self.layout.inbox, p) for p in list(self._tasks)]
         self._tasks.clear()
+        self._live.clear()
         self.restore(owned)
 
 
 def build_scheduler(kafka: KafkaSettings, consumer: ConsumerSettings, registry: WorkflowRegistry,
                     limits: Limits, instance: str | None = None,
-                    stop_event: threading.Event | None = None) -> ConsumerRuntime:
+                    stop_event: threading.Event | None = None, keyring: Keyring | None = None) -> ConsumerRuntime:
     layout = TopicLayout.from_settings(kafka)
     bootstrap = kafka.resolved_bootstrap()
-    scheduler = Scheduler(bootstrap=bootstrap, layout=layout, registry=registry, limits=limits)
+    scheduler = Scheduler(bootstrap=bootstrap, layout=layout, registry=registry, limits=limits, keyring=keyring)
     # A stable instance name lets a restarted scheduler fence its own zombie at once.
     transactional_id = f"{layout.prefix}scheduler-{instance or uuid.uuid4().hex}"
 

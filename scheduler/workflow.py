@@ -6,9 +6,9 @@ registered while tasks of the old one are still in flight; both run side by side
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 Escalation = Literal["error", "compensate"]
 
@@ -19,12 +19,24 @@ class WorkflowNotFoundError(LookupError):
 
 @dataclass(frozen=True)
 class Compensation:
-    """The action that undoes a completed step: an agent call like any other."""
+    """The action that undoes a completed step: an agent call like any other.
+
+    Its attempts get their own deadline, call budget and per-attempt allowance, and the workflow's
+    ``failure_threshold`` bounds its failed attempts as it bounds the forward step's.
+    """
 
     agent: str
     timeout_s: float = 10.0
     attempt_budget: int = 5
     calls_per_attempt: int = 3
+
+    def __post_init__(self) -> None:
+        if not self.agent:
+            raise ValueError("a compensation needs an agent")
+        if self.timeout_s <= 0:
+            raise ValueError(f"compensation by {self.agent}: timeout_s must be positive")
+        if self.attempt_budget < 1 or self.calls_per_attempt < 1:
+            raise ValueError(f"compensation by {self.agent}: attempt_budget and calls_per_attempt must be at least 1")
 
 
 @dataclass(frozen=True)
@@ -33,6 +45,10 @@ class Step:
 
     ``attempt_budget`` bounds the calls to the remote service across every attempt of the step (agent
     retries and supervisor recoveries together); ``calls_per_attempt`` bounds one attempt's share.
+
+    ``sensitive_output`` classifies the step's output: ``True`` marks every top-level field, a set of
+    names marks those fields. Marked fields are encrypted wherever the event log keeps them, and the
+    compensation inherits the marking: what it is given and what it answers derive from the marked data.
     """
 
     name: str
@@ -41,6 +57,7 @@ class Step:
     attempt_budget: int = 5
     calls_per_attempt: int = 3
     compensation: Compensation | None = None
+    sensitive_output: bool | frozenset[str] = False
 
     def __post_init__(self) -> None:
         if not self.name or not self.agent:
@@ -49,6 +66,22 @@ class Step:
             raise ValueError(f"step {self.name}: timeout_s must be positive")
         if self.attempt_budget < 1 or self.calls_per_attempt < 1:
             raise ValueError(f"step {self.name}: attempt_budget and calls_per_attempt must be at least 1")
+        if isinstance(self.sensitive_output, frozenset) and (
+            not self.sensitive_output or not all(isinstance(n, str) and n for n in self.sensitive_output)
+        ):
+            raise ValueError(f"step {self.name}: sensitive_output names at least one field, each a non-empty string")
+
+    @property
+    def is_sensitive(self) -> bool:
+        return bool(self.sensitive_output)
+
+    def sensitive_fields(self, output: Mapping[str, Any]) -> list[str]:
+        """The fields of ``output`` its marking covers, in a stable order."""
+        if self.sensitive_output is True:
+            return sorted(output)
+        if isinstance(self.sensitive_output, frozenset):
+            return sorted(self.sensitive_output.intersection(output))
+        return []
 
 
 @dataclass(frozen=True)
@@ -77,6 +110,10 @@ class Workflow:
             if step.name == name:
                 return step
         raise KeyError(name)
+
+    @property
+    def has_sensitive_data(self) -> bool:
+        return any(step.is_sensitive for step in self.steps)
 
     @property
     def agents(self) -> frozenset[str]:
@@ -118,6 +155,10 @@ class WorkflowRegistry:
     def workflows(self) -> Iterator[Workflow]:
         for versions in self._by_name.values():
             yield from versions.values()
+
+    @property
+    def has_sensitive_data(self) -> bool:
+        return any(workflow.has_sensitive_data for workflow in self.workflows())
 
     @property
     def agents(self) -> frozenset[str]:

@@ -133,6 +133,105 @@ class OperatorAlert(Event):
     step: str | None = None
 
 
+# ---- compensation events -------------------------------------------------------------------------
+# The compensation log is the event log: CompensationStarted names the plan, then each completed step is
+# undone (or skipped) in reverse completion order, then TaskCompensated or TaskCompensationFailed.
+
+
+class CompensationStarted(Event):
+    """Undoing began. ``steps``: the completed steps to undo, in the order they will be undone.
+
+    ``trigger`` says why: the workflow's policy after a step gave up (``escalation``, ``step`` names it),
+    an operator's ``compensate`` of a task in error, or an operator's ``cancel`` of a running task.
+    """
+
+    trigger: Literal["escalation", "operator", "cancel"]
+    reason: str
+    steps: list[str]
+    step: str | None = None
+    command_id: str | None = None
+    operator: str | None = None
+
+
+class StepCompensationSkipped(Event):
+    """A completed step declares no compensating action: recorded as having nothing to undo."""
+
+    step: str
+    reason: str
+
+
+class StepCompensationStarted(Event):
+    """An attempt of a step's compensation was handed to its agent. ``attempt_id`` is the lock."""
+
+    step: str
+    step_index: int = Field(ge=0)
+    attempt: int = Field(ge=1)
+    attempt_id: str
+    complete_by: Timestamp
+    calls_allowed: int = Field(ge=0, description="calls the agent may still make within the compensation's budget")
+
+
+class StepCompensated(Event):
+    """The current compensation attempt's agent reported success: the step is undone."""
+
+    step: str
+    attempt_id: str
+    output: JsonObject
+    calls: int = Field(ge=0)
+
+
+class StepCompensationFailed(Event):
+    """A compensation attempt ended in failure: reported by its agent, or its deadline expired."""
+
+    step: str
+    attempt_id: str
+    error: str
+    permanent: bool
+    timed_out: bool = False
+    calls: int = Field(ge=0)
+    failure_count: int = Field(ge=1)
+
+
+class TaskCompensated(Event):
+    """Every completed step was undone or had nothing to undo."""
+
+
+class TaskCompensationFailed(Event):
+    """The compensation of ``step`` gave up: the task needs an operator (``retry-compensation``)."""
+
+    step: str
+    reason: str
+
+
+# ---- operator events ----------------------------------------------------------------------------
+
+
+class StepResubmitted(Event):
+    """An operator resubmitted the failed step of a task in error: it runs again with a fresh budget."""
+
+    step: str
+    command_id: str
+    operator: str | None = None
+
+
+class CompensationRetried(Event):
+    """An operator retried the failed compensation of ``step``: it runs again with a fresh budget."""
+
+    step: str
+    command_id: str
+    operator: str | None = None
+
+
+class OperatorCommandRefused(Event):
+    """An operator's command the task's state does not allow: recorded, nothing else changes."""
+
+    command_id: str
+    action: str
+    reason: str
+    step: str | None = None
+    operator: str | None = None
+
+
 # ---- commands on the inbox ----------------------------------------------------------------------
 
 
@@ -171,6 +270,25 @@ class RecoverStep(Message):
     reason: str
 
 
+OperatorAction = Literal["resubmit", "compensate", "cancel", "retry-compensation"]
+
+
+class OperatorCommand(Message):
+    """An operator's intervention on one task. The same ``command_id`` again changes nothing.
+
+    ``step`` names the step for ``resubmit`` and ``retry-compensation`` (default: the one that failed);
+    ``compensate`` and ``cancel`` act on the whole task. The outcome is an event naming ``command_id``:
+    ``OperatorCommandRefused``, or the transition it caused.
+    """
+
+    kind: ClassVar[str] = "command"
+
+    command_id: str = Field(min_length=1, max_length=200, description="chosen by the operator, for idempotency")
+    action: OperatorAction
+    step: str | None = None
+    operator: str | None = None
+
+
 # ---- other messages -----------------------------------------------------------------------------
 
 
@@ -189,7 +307,8 @@ class AgentRequest(Message):
 class StatusUpdate(Message):
     """Progress on a submitter's private reply topic."""
 
-    status: Literal["received", "rejected", "step_succeeded", "step_failed", "completed", "failed"]
+    status: Literal["received", "rejected", "step_succeeded", "step_failed", "completed", "failed", "compensating",
+                    "step_compensated", "compensated", "compensation_failed"]
     detail: str | None = None
 
 
@@ -208,4 +327,15 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     RecoverStep,
     AgentRequest,
     StatusUpdate,
+    CompensationStarted,
+    StepCompensationSkipped,
+    StepCompensationStarted,
+    StepCompensated,
+    StepCompensationFailed,
+    TaskCompensated,
+    TaskCompensationFailed,
+    StepResubmitted,
+    CompensationRetried,
+    OperatorCommandRefused,
+    OperatorCommand,
 )

@@ -9,9 +9,11 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
+from eventstore import dlq_tools
 from eventstore.errors import StepstreamError
 from eventstore.settings import KafkaSettings
-from stepstream import submit_cli
+from projections import commands as projection_commands
+from stepstream import operator, submit_cli
 
 
 def _broker(args: argparse.Namespace) -> int:
@@ -101,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(func=_up)
 
     submit_cli.add_parsers(commands)
+    operator.add_parsers(commands)
+    projection_commands.add_parsers(commands)
+    dlq_tools.add_parsers(commands)
 
     demo = commands.add_parser("demo", help="submit a batch of orders to a local system with faults on")
     demo.add_argument("--tasks", type=int, default=20)

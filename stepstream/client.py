@@ -23,7 +23,7 @@ from eventstore.producer import EventProducer
 from eventstore.settings import KafkaSettings
 from eventstore.topics import TopicLayout, TopicSpec, ensure_topics
 from projections.settings import StoreSettings
-from projections.store import SqliteStore
+from projections.store import SqliteStore, Store
 from schemas.codec import default_codec
 from schemas.errors import DecodeError
 from schemas.messages import StatusUpdate, SubmitTask
@@ -56,9 +56,9 @@ class Client:
         self.layout = TopicLayout.from_settings(self.kafka)
         self.bootstrap = self.kafka.resolved_bootstrap()
         self.submitter = submitter
-        self.store_path = store_path or StoreSettings().sqlite_path(self.kafka.home)
+        self.store_path = store_path
         self._producer = EventProducer(self.bootstrap)
-        self._store: SqliteStore | None = None
+        self._store: Store | None = None
         if submitter is not None:
             if not submitter.replace("-", "").replace("_", "").isalnum():
                 raise InvalidSubmission("submitter", "letters, digits, '-' and '_' only")
@@ -82,9 +82,12 @@ class Client:
     def status(self, task_id: str) -> dict[str, Any] | None:
         """The task as the projection shows it (None until the projector has seen it)."""
         if self._store is None:
-            if not self.store_path.exists():
+            if self.store_path is None:
+                self._store = StoreSettings().open(self.kafka.home)
+            elif self.store_path.exists():
+                self._store = SqliteStore(self.store_path)
+            else:
                 return None
-            self._store = SqliteStore(self.store_path)
         return self._store.task(task_id)
 
     def wait(self, task_id: str, timeout_s: float = 60.0, poll_s: float = 0.2) -> dict[str, Any]:

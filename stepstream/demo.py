@@ -26,7 +26,6 @@ from eventstore.producer import EventProducer
 from eventstore.settings import KafkaSettings
 from eventstore.topics import TopicLayout
 from projections.settings import StoreSettings
-from projections.store import SqliteStore
 from schemas.messages import SubmitTask
 from stepstream.up import wait_until_up
 
@@ -40,7 +39,7 @@ def _orders(run_id: str, count: int) -> list[SubmitTask]:
                           "amount": 10 + i})
         for i in range(count - 1)
     ]
-    # One order the service refuses for good (qty 0): it must end in error without retries.
+    # One order the service refuses for good (qty 0) at the first step: nothing to undo, no retries.
     orders.append(SubmitTask(task_id=f"order-{run_id}-bad", workflow="orders", submitter="demo",
                              input={"order_id": f"{run_id}-bad", "sku": "SKU-0", "qty": 0, "amount": 5}))
     return orders
@@ -73,7 +72,9 @@ def _run(console: Console, kafka: KafkaSettings, home: Path, state: dict[str, ob
     console.print(f"up: kafka {bootstrap}, order service {service_url}", highlight=False)
     with OrdersAdmin(service_url) as admin:
         admin.set_faults(latency_ms=20, error_rate=0.2, throttle_rate=0.1, retry_after_s=1)
-        console.print("faults on: 20% server errors, 10% throttling (429, Retry-After 1s), 20 ms latency")
+        admin.set_faults("shipping/create", latency_ms=20, error_rate=0.2, permanent_error_rate=0.15)
+        console.print("faults on: 20% server errors, 10% throttling (429, Retry-After 1s), 20 ms latency; "
+                      "shipping refuses 15% of orders for good (those are compensated: refund, release)")
         orders = _orders(uuid.uuid4().hex[:6], tasks)
         producer = EventProducer(bootstrap)
         layout = TopicLayout.from_settings(kafka)
@@ -82,7 +83,7 @@ def _run(console: Console, kafka: KafkaSettings, home: Path, state: dict[str, ob
         producer.flush()
         console.print(f"submitted {len(orders)} orders to {layout.inbox}")
 
-        store = SqliteStore(StoreSettings().sqlite_path(home))
+        store = StoreSettings().open(home)
         ids = [o.task_id for o in orders]
         started = time.monotonic()
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
@@ -127,7 +128,7 @@ def _print_table(console: Console, ids: list[str], rows: dict[str, dict[str, Any
             table.add_row(task_id, "not seen", "", "", "")
             continue
         attempts = " ".join(f"{s['step']}:{s['attempt']}" for s in row.get("steps") or [])
-        style = {"completed": "green", "error": "red"}.get(str(row["status"]), "yellow")
+        style = {"completed": "green", "compensated": "cyan", "error": "red"}.get(str(row["status"]), "yellow")
         table.add_row(task_id, f"[{style}]{row['status']}[/{style}]", attempts, str(row["failure_count"]),
                       str(row["error"] or "")[:70])
     console.print(table)

@@ -28,11 +28,12 @@ def run_scheduler() -> int:
     from scheduler.decider import Limits
     from scheduler.service import build_scheduler
     from scheduler.settings import SchedulerSettings
+    from schemas.sealed import EncryptionSettings
 
     kafka, consumer, stop = _prepare("scheduler")
     settings = SchedulerSettings()
     build_scheduler(kafka, consumer, settings.load_registry(), Limits(max_in_flight=settings.max_in_flight),
-                    settings.instance, stop).run()
+                    settings.instance, stop, keyring=EncryptionSettings().keyring()).run()
     return 0
 
 
@@ -43,19 +44,19 @@ def run_agent(name: str) -> int:
 
     kafka, consumer, stop = _prepare(f"agent {name}")
     settings = AgentSettings()
-    build_agent(kafka, consumer, shipped_agent(name, settings.service_url, settings.retry_policy(), stop)).run()
+    build_agent(kafka, consumer, shipped_agent(name, settings.service_url, settings.policy_provider(), stop)).run()
     return 0
 
 
 def run_projector() -> int:
     from projections.projector import build_projector
     from projections.settings import StoreSettings
-    from projections.store import SqliteStore
 
     kafka, consumer, stop = _prepare("projector")
-    store = SqliteStore(StoreSettings().sqlite_path(kafka.home))
+    settings = StoreSettings()
+    store = settings.open(kafka.home)
     try:
-        build_projector(kafka, consumer, store, stop).run()
+        build_projector(kafka, consumer, store, stop, settings.projector_group).run()
     finally:
         store.close()
     return 0
@@ -63,12 +64,11 @@ def run_projector() -> int:
 
 def run_supervisor() -> int:
     from projections.settings import StoreSettings
-    from projections.store import SqliteStore
     from supervisor.service import build_supervisor
     from supervisor.settings import SupervisorSettings
 
     kafka, _consumer, stop = _prepare("supervisor")
-    store = SqliteStore(StoreSettings().sqlite_path(kafka.home))
+    store = StoreSettings().open(kafka.home)
     try:
         build_supervisor(kafka, SupervisorSettings(), store, stop).run()
     finally:

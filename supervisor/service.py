@@ -1,5 +1,10 @@
 """``stepstream run supervisor``: finds attempts whose deadline passed and asks the scheduler to recover them.
 
+Attempts are forward ones (a step ``processing``) and compensating ones (a step ``compensating``): the
+state store lists both in one index-backed scan, and the recovery is the same request either way. The
+scheduler retries below the workflow's failure threshold and escalates past it: a stuck compensation
+ends ``compensation_failed`` with an operator alert naming its step.
+
 Leadership is ownership of partition 0 of ``supervisor-lease`` in the supervisors' consumer group: Kafka's
 group protocol gives it to exactly one live member, and hands it over when that member dies or leaves.
 Only the leader scans. It only requests (a ``RecoverStep`` naming the expired attempt); the scheduler
@@ -21,7 +26,7 @@ from prometheus_client import Counter, Gauge
 from eventstore.producer import EventProducer
 from eventstore.settings import KafkaSettings
 from eventstore.topics import TopicLayout
-from projections.store import SqliteStore
+from projections.store import Store
 from schemas.messages import RecoverStep
 from supervisor.settings import SupervisorSettings
 
@@ -32,7 +37,7 @@ RECOVERIES = Counter("stepstream_supervisor_recoveries_total", "Recovery command
 
 
 class Supervisor:
-    def __init__(self, *, bootstrap: str, layout: TopicLayout, store: SqliteStore, cadence_s: float = 5.0,
+    def __init__(self, *, bootstrap: str, layout: TopicLayout, store: Store, cadence_s: float = 5.0,
                  window_s: float = 24 * 3600, page_size: int = 200, resend_after_s: float = 30.0,
                  session_timeout_ms: int = 10000, stop_event: threading.Event | None = None) -> None:
         self.layout = layout
@@ -74,7 +79,10 @@ class Supervisor:
             log.info("supervisor stopped")
 
     def scan(self, now: datetime | None = None) -> int:
-        """One bounded pass: expired attempts inside the window, a page at a time. Returns requests sent."""
+        """One bounded pass: expired attempts (forward or compensating) inside the window, a page at a time.
+
+        Returns the number of recovery requests sent.
+        """
         now = now or datetime.now(UTC)
         after: tuple[int, str, str] | None = None
         sent = 0
@@ -114,7 +122,7 @@ class Supervisor:
             log.info("leadership lost")
 
 
-def build_supervisor(kafka: KafkaSettings, settings: SupervisorSettings, store: SqliteStore,
+def build_supervisor(kafka: KafkaSettings, settings: SupervisorSettings, store: Store,
                      stop_event: threading.Event | None = None) -> Supervisor:
     return Supervisor(bootstrap=kafka.resolved_bootstrap(), layout=TopicLayout.from_settings(kafka), store=store,
                       cadence_s=settings.cadence_s, window_s=settings.window_s, page_size=settings.page_size,

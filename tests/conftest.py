@@ -99,3 +99,7 @@ def system(bootstrap: str, layout: TopicLayout, test_env: dict[str, str], tmp_pa
             yield system
         finally:
             system.stop()
+
+
+# PostgreSQL: a throwaway cluster per session, a database per test, and the per-backend store fixture.
+from tests.postgres import postgres_server, postgres_url, store_spec  # noqa: E402, F401

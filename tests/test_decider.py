@@ -9,7 +9,9 @@ from typing import Any
 import pytest
 
 from scheduler.decider import (
+    FINAL,
     TERMINAL,
+    Command,
     Decision,
     InvalidTransition,
     Limits,
@@ -24,9 +26,11 @@ from scheduler.decider import (
 from scheduler.workflow import Step, Workflow, WorkflowRegistry
 from schemas.codec import default_codec
 from schemas.messages import (
+    CompensationStarted,
     Event,
     MessageIgnored,
     OperatorAlert,
+    OperatorCommandRefused,
     RecoverStep,
     StepFailed,
     StepResult,
@@ -34,6 +38,7 @@ from schemas.messages import (
     StepSucceeded,
     SubmitTask,
     TaskAccepted,
+    TaskCompensationFailed,
     TaskCompleted,
     TaskFailed,
     TaskRejected,
@@ -54,9 +59,7 @@ ORDERS_V1 = Workflow(
 ORDERS_V2 = Workflow("orders", 2, (Step("reserve", "inventory"), Step("ship", "shipping")))
 ONE_SHOT = Workflow("one-shot", 1, (Step("only", "agent", attempt_budget=2, calls_per_attempt=3),),
                     failure_threshold=5)
-COMPENSATING = Workflow("compensating", 1, (Step("only", "agent"),), failure_threshold=1,
-                        escalation="compensate")
-REGISTRY = WorkflowRegistry.of([ORDERS_V1, ORDERS_V2, ONE_SHOT, COMPENSATING])
+REGISTRY = WorkflowRegistry.of([ORDERS_V1, ORDERS_V2, ONE_SHOT])
 
 
 def submit(task_id: str = "t1", workflow: str = "orders", version: int | None = 1,
@@ -66,21 +69,21 @@ def submit(task_id: str = "t1", workflow: str = "orders", version: int | None = 
 
 
 def ok(state: TaskState, output: dict[str, Any] | None = None, calls: int = 1) -> StepResult:
-    """A success for the attempt in progress."""
+    """A success for the attempt in progress (forward or compensating)."""
     step = current(state)
-    return StepResult(task_id=state.task_id, step=step.name, attempt_id=step.attempt_id or "", ok=True,
+    return StepResult(task_id=state.task_id, step=step.name, attempt_id=step.lock or "", ok=True,
                       output={"done": step.name} if output is None else output, calls=calls)
 
 
 def failure(state: TaskState, *, permanent: bool = False, calls: int = 1, error: str | None = "boom") -> StepResult:
-    """A failure for the attempt in progress."""
+    """A failure for the attempt in progress (forward or compensating)."""
     step = current(state)
-    return StepResult(task_id=state.task_id, step=step.name, attempt_id=step.attempt_id or "", ok=False,
+    return StepResult(task_id=state.task_id, step=step.name, attempt_id=step.lock or "", ok=False,
                       error=error, permanent=permanent, calls=calls)
 
 
 def recover(state: TaskState, attempt: str | None = None) -> RecoverStep:
-    return RecoverStep(task_id=state.task_id, attempt_id=attempt or current(state).attempt_id or "",
+    return RecoverStep(task_id=state.task_id, attempt_id=attempt or current(state).lock or "",
                        reason="deadline passed")
 
 
@@ -89,7 +92,7 @@ def current(state: TaskState) -> StepState:
     return state.steps[state.current_step]
 
 
-def run(command: SubmitTask | StepResult | RecoverStep, state: TaskState | None, *, now: datetime = NOW,
+def run(command: Command, state: TaskState | None, *, now: datetime = NOW,
         in_flight: int = 0, limits: Limits | None = None,
         registry: WorkflowRegistry = REGISTRY) -> tuple[Decision, TaskState | None]:
     """Decide, then apply the decision: what the scheduler service does with each command."""
@@ -104,7 +107,7 @@ def started(task_id: str = "t1", workflow: str = "orders", version: int | None =
     return state
 
 
-def apply(command: SubmitTask | StepResult | RecoverStep, state: TaskState | None, **kwargs: Any) -> TaskState:
+def apply(command: Command, state: TaskState | None, **kwargs: Any) -> TaskState:
     _, after = run(command, state, **kwargs)
     assert after is not None
     return after
@@ -115,7 +118,8 @@ def types(decision: Decision) -> list[type[Event]]:
 
 
 def reason(event: Event) -> str:
-    assert isinstance(event, TaskFailed | OperatorAlert | MessageIgnored | TaskRejected)
+    assert isinstance(event, TaskFailed | OperatorAlert | MessageIgnored | TaskRejected | OperatorCommandRefused
+                      | TaskCompensationFailed | CompensationStarted)
     return event.reason
 
 
@@ -400,13 +404,6 @@ def test_calls_reported_beyond_the_allowance_are_capped_and_raise_an_alert() -> 
     assert after is not None and after.steps[0].calls_used == 3
 
 
-def test_compensate_escalation_fails_the_task_like_error_until_compensation_exists() -> None:
-    state = started(workflow="compensating")
-    decision, after = run(failure(state), state)
-    assert types(decision) == [StepFailed, TaskFailed, OperatorAlert]
-    assert after is not None and after.status == "error"
-
-
 def test_a_late_result_of_a_previous_attempt_is_recorded_as_ignored_and_changes_nothing() -> None:
     state = started()
     late = failure(state)  # names attempt 1
@@ -550,8 +547,9 @@ def test_decide_refuses_a_naive_clock_and_the_state_of_another_task() -> None:
         decide(submit("t2"), started(), registry=REGISTRY, now=NOW, in_flight=0, limits=Limits())
 
 
-def test_terminal_statuses() -> None:
+def test_terminal_statuses_and_the_final_ones_no_operator_can_leave() -> None:
     assert frozenset({"completed", "error", "rejected", "compensated", "compensation_failed"}) == TERMINAL
+    assert frozenset({"completed", "rejected", "compensated"}) == FINAL
 
 
 # ---- evolve and fold ----------------------------------------------------------------------------

@@ -1,13 +1,15 @@
 """Property tests of the decider: random command sequences against a small registry keep every invariant.
 
 Hypothesis drives a scheduler of three tasks with submissions (repeats and contradictions included),
-successes and transient or permanent failures for current, stale and made-up attempt ids, recoveries at
-times around each deadline, and a clock that moves on. After every command the decision and the states
-it leads to are checked, and at the end every history is replayed through the Avro codec.
+successes and transient or permanent failures for current, stale and made-up attempt ids (forward and
+compensating), recoveries at times around each deadline, operator commands (every action, on any step,
+with command ids that repeat), and a clock that moves on. After every command the decision and the
+states it leads to are checked, and at the end every history is replayed through the Avro codec.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from datetime import UTC, datetime, timedelta
 
 from hypothesis import settings
@@ -15,7 +17,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from scheduler.decider import (
+    FINAL,
     TERMINAL,
+    Command,
     Decision,
     Limits,
     StepState,
@@ -23,34 +27,59 @@ from scheduler.decider import (
     decide,
     fold,
 )
-from scheduler.workflow import Step, Workflow, WorkflowRegistry
+from scheduler.workflow import Compensation, Step, Workflow, WorkflowRegistry
 from schemas.codec import default_codec
 from schemas.messages import (
+    CompensationRetried,
+    CompensationStarted,
     Event,
     MessageIgnored,
+    OperatorAction,
     OperatorAlert,
+    OperatorCommand,
+    OperatorCommandRefused,
     RecoverStep,
+    StepCompensated,
+    StepCompensationSkipped,
+    StepCompensationStarted,
+    StepResubmitted,
     StepResult,
     StepStarted,
+    StepSucceeded,
     SubmitTask,
 )
 
+UNDO = Compensation("undo", timeout_s=3, attempt_budget=3, calls_per_attempt=2)
 REGISTRY = WorkflowRegistry.of([
     Workflow(
         "flow",
         1,
         (
-            Step("a", "agent-a", timeout_s=10, attempt_budget=4, calls_per_attempt=2),
+            Step("a", "agent-a", timeout_s=10, attempt_budget=4, calls_per_attempt=2, compensation=UNDO),
             Step("b", "agent-b", timeout_s=5, attempt_budget=3, calls_per_attempt=3),
         ),
         failure_threshold=3,
     ),
-    Workflow("flow", 2, (Step("c", "agent-c", timeout_s=1, attempt_budget=2, calls_per_attempt=1),),
+    Workflow("flow", 2, (Step("c", "agent-c", timeout_s=1, attempt_budget=2, calls_per_attempt=1, compensation=UNDO),),
              failure_threshold=1, escalation="compensate"),
+    Workflow(
+        "flow",
+        3,
+        (
+            Step("d", "agent-d", timeout_s=4, compensation=UNDO),
+            Step("e", "agent-e", timeout_s=4),
+            Step("f", "agent-f", timeout_s=4, compensation=Compensation("undo-f", timeout_s=2, attempt_budget=2,
+                                                                        calls_per_attempt=1)),
+            Step("g", "agent-g", timeout_s=4, attempt_budget=2, calls_per_attempt=1),
+        ),
+        failure_threshold=2,
+        escalation="compensate",
+    ),
 ])
 LIMITS = Limits(max_in_flight=2)
 TASKS = ("t1", "t2", "t3")
 START = datetime(2025, 1, 1, tzinfo=UTC)
+ACTIONS: tuple[OperatorAction, ...] = ("resubmit", "compensate", "cancel", "retry-compensation")
 
 tasks = st.sampled_from(TASKS)
 # Weighted towards the attempt in progress and towards success, so runs get past their first step.
@@ -70,7 +99,8 @@ class DeciderMachine(RuleBasedStateMachine):
 
     # ---- commands -------------------------------------------------------------------------------
 
-    @rule(task=tasks, workflow=st.sampled_from([("flow", None), ("flow", 1), ("flow", 2), ("nope", None)]),
+    @rule(task=tasks, workflow=st.sampled_from([("flow", None), ("flow", 1), ("flow", 2), ("flow", 3),
+                                                ("nope", None)]),
           data=st.sampled_from([{"n": 1}, {"n": 2}]))
     def submit(self, task: str, workflow: tuple[str, int | None], data: dict[str, int]) -> None:
         name, version = workflow
@@ -92,30 +122,51 @@ class DeciderMachine(RuleBasedStateMachine):
     def recover(self, task: str, which: str, pick: int, offset: int) -> None:
         """A recovery some seconds before or after the current deadline: the supervisor's clock varies."""
         attempt = self.attempt(task, which, pick)
-        step = self.processing(task)
-        around = step.complete_by if step is not None and step.complete_by is not None else self.clock
+        step = self.in_progress(task)
+        around = step.deadline if step is not None and step.deadline is not None else self.clock
         now = max(self.clock, around + timedelta(seconds=offset))
         self.run(RecoverStep(task_id=task, attempt_id=attempt, reason="expired"), now)
+
+    @rule(task=tasks, action=st.sampled_from(ACTIONS), step=st.sampled_from([None, None, "a", "b", "c", "d", "f", "x"]),
+          command_id=st.integers(1, 25).map(lambda n: f"op-{n}"))
+    def operator(self, task: str, action: OperatorAction, step: str | None, command_id: str) -> None:
+        """Any action on any step, with command ids from a pool small enough that repeats happen."""
+        self.run(OperatorCommand(task_id=task, command_id=command_id, action=action, step=step, operator="op"),
+                 self.clock)
+
+    @rule(task=tasks, undo=st.booleans(), command_id=st.integers(1, 25).map(lambda n: f"op-{n}"))
+    def operator_as_the_state_invites(self, task: str, undo: bool, command_id: str) -> None:
+        """The command an operator would give: resubmit or compensate a task in error, retry a failed
+        compensation, cancel a running task (or, without ``undo``, try to resubmit it: refused)."""
+        state = self.states[task]
+        status = state.status if state is not None else "running"
+        actions: dict[str, OperatorAction] = {
+            "error": "compensate" if undo else "resubmit",
+            "compensation_failed": "retry-compensation",
+            "running": "cancel" if undo else "resubmit",
+        }
+        self.run(OperatorCommand(task_id=task, command_id=command_id, action=actions.get(status, "compensate")),
+                 self.clock)
 
     @rule(seconds=st.integers(0, 30))
     def tick(self, seconds: int) -> None:
         self.clock += timedelta(seconds=seconds)
 
     def attempt(self, task: str, which: str, pick: int) -> str:
-        step = self.processing(task)
-        if which == "current" and step is not None and step.attempt_id is not None:
-            return step.attempt_id
+        step = self.in_progress(task)
+        if which == "current" and step is not None and step.lock is not None:
+            return step.lock
         if which == "stale" and self.attempts[task]:
             return self.attempts[task][pick % len(self.attempts[task])]
-        return f"{task}:a:{pick + 1}"
+        return f"{task}:a:{pick + 1}" if pick % 2 else f"{task}:d:undo:{pick + 1}"
 
-    def processing(self, task: str) -> StepState | None:
+    def in_progress(self, task: str) -> StepState | None:
         state = self.states[task]
         if state is None or state.current_step is None:
             return None
         return state.steps[state.current_step]
 
-    def run(self, command: SubmitTask | StepResult | RecoverStep, now: datetime) -> None:
+    def run(self, command: Command, now: datetime) -> None:
         before = self.states[command.task_id]
         in_flight = sum(1 for state in self.states.values() if state is not None and not state.is_terminal)
         decision = decide(command, before, registry=REGISTRY, now=now, in_flight=in_flight, limits=LIMITS)
@@ -125,12 +176,13 @@ class DeciderMachine(RuleBasedStateMachine):
         self.check_decision(command, before, decision, after, now)
         self.states[command.task_id] = after
         self.histories[command.task_id].extend(decision.events)
-        self.attempts[command.task_id].extend(e.attempt_id for e in decision.events if isinstance(e, StepStarted))
+        self.attempts[command.task_id].extend(
+            e.attempt_id for e in decision.events if isinstance(e, StepStarted | StepCompensationStarted))
 
     # ---- checks on each decision ----------------------------------------------------------------
 
-    def check_decision(self, command: SubmitTask | StepResult | RecoverStep, before: TaskState | None,
-                       decision: Decision, after: TaskState | None, now: datetime) -> None:
+    def check_decision(self, command: Command, before: TaskState | None, decision: Decision,
+                       after: TaskState | None, now: datetime) -> None:
         events = decision.events
         first = before.sequence + 1 if before is not None else 1
         assert [e.sequence for e in events] == list(range(first, first + len(events)))
@@ -143,41 +195,72 @@ class DeciderMachine(RuleBasedStateMachine):
         if decision.dead_letter is not None:
             contradiction = isinstance(command, SubmitTask) and before is not None
             assert [type(e) for e in events] == ([OperatorAlert] if contradiction else [])
-        if before is not None and before.is_terminal:
-            assert all(isinstance(e, MessageIgnored | OperatorAlert) for e in events)
+        if before is not None and (before.status in FINAL or (before.is_terminal
+                                                              and not isinstance(command, OperatorCommand))):
+            # Terminal states are terminal: only an operator's command leaves error or compensation_failed.
+            assert all(isinstance(e, MessageIgnored | OperatorAlert | OperatorCommandRefused) for e in events)
             assert after is not None and after.status == before.status
         if before is not None and after is not None:
-            self.check_monotonic(before, after)
+            self.check_monotonic(before, after, events)
         if isinstance(command, StepResult | RecoverStep) and before is not None:
             current = before.steps[before.current_step] if before.current_step is not None else None
-            if current is None or current.attempt_id != command.attempt_id or before.is_terminal:
+            if current is None or current.lock != command.attempt_id or before.is_terminal:
                 assert [type(e) for e in events] == [MessageIgnored]
-            if isinstance(command, RecoverStep) and current is not None and current.complete_by is not None \
-                    and now < current.complete_by:
+            if isinstance(command, RecoverStep) and current is not None and current.deadline is not None \
+                    and now < current.deadline:
                 assert [type(e) for e in events] == [MessageIgnored]
+        if isinstance(command, OperatorCommand) and before is not None:
+            self.check_operator(command, before, events, after)
 
     @staticmethod
-    def check_monotonic(before: TaskState, after: TaskState) -> None:
-        """Steps are never forgotten, and failure counts, calls used and attempt numbers only grow."""
+    def check_operator(command: OperatorCommand, before: TaskState, events: tuple[Event, ...],
+                       after: TaskState | None) -> None:
+        """A command id is answered once: by a refusal that changes nothing, or by the transition it caused."""
+        if command.command_id in before.commands:
+            assert events == ()
+            return
+        answers = [e for e in events if getattr(e, "command_id", None) == command.command_id]
+        assert len(answers) == 1
+        if isinstance(answers[0], OperatorCommandRefused):
+            assert after is not None
+            assert after.steps == before.steps and after.status == before.status
+            assert after.commands == before.commands | {command.command_id}
+
+    @staticmethod
+    def check_monotonic(before: TaskState, after: TaskState, events: tuple[Event, ...]) -> None:
+        """Steps are never forgotten; attempt numbers only grow; failure counts and calls used only grow,
+        except that an operator's resubmit or retry opens a new round for the step it names."""
+        resubmitted = {e.step for e in events if isinstance(e, StepResubmitted)}
+        retried = {e.step for e in events if isinstance(e, CompensationRetried)}
         assert len(after.steps) >= len(before.steps)
         for old, new in zip(before.steps, after.steps, strict=False):
             assert new.name == old.name
-            assert new.failure_count >= old.failure_count
-            assert new.calls_used >= old.calls_used
             assert new.attempt >= old.attempt
+            assert new.compensation.attempt >= old.compensation.attempt
+            if old.name not in resubmitted:
+                assert new.failure_count >= old.failure_count
+                assert new.calls_used >= old.calls_used
+            if old.name not in retried:
+                assert new.compensation.failure_count >= old.compensation.failure_count
+                assert new.compensation.calls_used >= old.compensation.calls_used
 
     # ---- invariants over every task -------------------------------------------------------------
 
     @invariant()
-    def at_most_one_step_in_processing_and_it_is_the_current_one(self) -> None:
+    def at_most_one_attempt_in_progress_and_a_live_task_always_has_one(self) -> None:
         for state in self.states.values():
             if state is None:
                 continue
-            processing = [i for i, step in enumerate(state.steps) if step.status == "processing"]
-            assert len(processing) <= 1
-            assert state.current_step == (processing[0] if processing else None)
-            # Between commands a live task always has an attempt out: retries start at once.
-            assert state.status in TERMINAL or (state.status == "running" and len(processing) == 1)
+            busy = [i for i, step in enumerate(state.steps) if step.status in ("processing", "compensating")]
+            assert len(busy) <= 1
+            assert state.current_step == (busy[0] if busy else None)
+            # Between commands a live task always has an attempt out: retries and next steps start at once.
+            if state.status == "running":
+                assert busy and state.steps[busy[0]].status == "processing"
+            elif state.status == "compensating":
+                assert busy and state.steps[busy[0]].status == "compensating"
+            else:
+                assert state.status in TERMINAL and not busy
 
     @invariant()
     def sequence_numbers_start_at_one_without_gaps(self) -> None:
@@ -192,6 +275,23 @@ class DeciderMachine(RuleBasedStateMachine):
             assert fold(history) == self.states[task]
 
     @invariant()
+    def compensations_run_in_reverse_completion_order_and_undo_each_step_at_most_once(self) -> None:
+        for history in self.histories.values():
+            completed = [e.step for e in history if isinstance(e, StepSucceeded)]
+            undone: list[str] = []
+            for e in history:
+                if isinstance(e, StepCompensationStarted | StepCompensationSkipped) and e.step not in undone:
+                    undone.append(e.step)
+            assert undone == completed[::-1][: len(undone)], "undone last completed first"
+            plans = [e.steps for e in history if isinstance(e, CompensationStarted)]
+            assert len(plans) <= 1 and all(plan == completed[::-1] for plan in plans)
+            compensated = Counter(e.step for e in history if isinstance(e, StepCompensated))
+            assert all(n == 1 for n in compensated.values()) and set(compensated) <= set(completed)
+            started = [e for e in history if isinstance(e, StepStarted)]
+            first_undo = next((e.sequence for e in history if isinstance(e, CompensationStarted)), None)
+            assert first_undo is None or all(e.sequence < first_undo for e in started), "no step runs once undoing"
+
+    @invariant()
     def budgets_and_thresholds_hold(self) -> None:
         for state in self.states.values():
             if state is None:
@@ -204,9 +304,20 @@ class DeciderMachine(RuleBasedStateMachine):
                 if step.status == "processing":
                     assert 1 <= step.calls_allowed <= spec.calls_per_attempt
                     assert step.calls_used + step.calls_allowed <= spec.attempt_budget
+                undo = step.compensation
+                if spec.compensation is None:
+                    assert undo.attempt == 0
+                    continue
+                assert undo.calls_used <= spec.compensation.attempt_budget
+                assert undo.failure_count <= workflow.failure_threshold
+                if step.status == "compensating":
+                    assert 1 <= undo.calls_allowed <= spec.compensation.calls_per_attempt
+                    assert undo.calls_used + undo.calls_allowed <= spec.compensation.attempt_budget
             if state.status == "completed":
                 assert [s.name for s in state.steps] == [s.name for s in workflow.steps]
                 assert all(s.status == "succeeded" for s in state.steps)
+            if state.status == "compensated":
+                assert all(s.status in ("compensated", "compensation_skipped", "failed") for s in state.steps)
 
     @invariant()
     def attempt_ids_are_never_reused(self) -> None:
@@ -222,5 +333,5 @@ class DeciderMachine(RuleBasedStateMachine):
             assert fold(e for e in decoded if isinstance(e, Event)) == self.states[task]
 
 
-DeciderMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+DeciderMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=60, deadline=None)
 TestAnyCommandSequenceKeepsTheDecidersInvariants = DeciderMachine.TestCase

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scheduler.workflow import Step, Workflow, WorkflowRegistry
+from scheduler.workflow import Compensation, Step, Workflow, WorkflowRegistry
 
 # charge allows 4 s an attempt: three attempts outlast a dead agent's group session (6 s) plus a restart,
 # so a test that SIGKILLs the payments agent sees the step recovered rather than escalated.
@@ -29,3 +29,58 @@ ORDERS_V2 = Workflow(
 )
 
 REGISTRY = WorkflowRegistry.of([ORDERS_V1, ORDERS_V2])
+
+# Appended for tests/test_agent_budget_end_to_end.py: steps whose end-to-end call budget is far below what
+# the agent's retry limit and the workflow's failure threshold would allow, so only the budget can stop
+# the calls. One step each: a service answering 503 to everything, and one that hangs (attempts time out).
+BUDGET_CAPPED = Workflow(
+    name="budget-capped",
+    version=1,
+    steps=(Step("reserve", agent="inventory", timeout_s=2.0, attempt_budget=5, calls_per_attempt=3),),
+    failure_threshold=100,
+)
+BUDGET_CAPPED_HANG = Workflow(
+    name="budget-capped-hang",
+    version=1,
+    steps=(Step("charge", agent="payments", timeout_s=1.0, attempt_budget=3, calls_per_attempt=2),),
+    failure_threshold=100,
+)
+REGISTRY.register(BUDGET_CAPPED)
+REGISTRY.register(BUDGET_CAPPED_HANG)
+
+# ---- compensation (tests/test_compensation_end_to_end.py) ------------------------------------------
+# Every step has the order service's compensating action. ``charge`` marks its charge id sensitive: the
+# event log holds it sealed, while the refund still receives it in clear. A failure threshold of 2 keeps
+# the supervisor's escalations quick. The compensation tests run the scheduler on COMPENSATION_REGISTRY,
+# with an encryption key configured.
+
+
+def _compensated_order_steps(charge_budget: int = 8) -> tuple[Step, ...]:
+    return (
+        Step("reserve", agent="inventory", timeout_s=2.0, attempt_budget=8, calls_per_attempt=2,
+             compensation=Compensation("inventory-release", timeout_s=2.0, attempt_budget=6, calls_per_attempt=2)),
+        Step("charge", agent="payments", timeout_s=3.0, attempt_budget=charge_budget, calls_per_attempt=2,
+             compensation=Compensation("payments-refund", timeout_s=2.0, attempt_budget=6, calls_per_attempt=2),
+             sensitive_output=frozenset({"charge_id"})),
+        Step("ship", agent="shipping", timeout_s=2.0, attempt_budget=8, calls_per_attempt=2,
+             compensation=Compensation("shipping-cancel", timeout_s=2.0, attempt_budget=6, calls_per_attempt=2)),
+    )
+
+
+# A step that gives up undoes the completed ones at once.
+ORDERS_COMP = Workflow(name="orders-comp", version=1, steps=_compensated_order_steps(), failure_threshold=2,
+                       escalation="compensate")
+# A step that gives up leaves the task in error: an operator resubmits the step or orders compensation.
+ORDERS_HOLD = Workflow(name="orders-hold", version=1, steps=_compensated_order_steps(), failure_threshold=2,
+                       escalation="error")
+
+# A payment that may take many attempts (a long outage): the task stays running until an operator acts.
+ORDERS_PATIENT = Workflow(
+    name="orders-patient",
+    version=1,
+    steps=_compensated_order_steps(charge_budget=100),
+    failure_threshold=40,
+    escalation="error",
+)
+
+COMPENSATION_REGISTRY = WorkflowRegistry.of([ORDERS_V1, ORDERS_V2, ORDERS_COMP, ORDERS_HOLD, ORDERS_PATIENT])

@@ -1,0 +1,288 @@
+"""Rebuilding the state store by replaying ``events``, against a raw confluent-kafka consume of the same topic.
+
+Run by hand from the project folder::
+
+    .venv/bin/python benchmarks/replay.py [--events 1000000] [--skip-postgres] [--postgres-url URL]
+
+The broker is the one named by STEPSTREAM_BOOTSTRAP_SERVERS, else the project's local broker (started if
+needed and left running). PostgreSQL is the server named by --postgres-url, else a throwaway cluster made
+with the installed server binaries (tests/postgres.py: fsync off, like a rebuild's own scratch schema).
+
+One run, one topic (3 partitions, under a fresh prefix, deleted at the end), filled with realistic task
+histories (tests/histories.py: ~8 events a task, retries, failures, alerts) and measured as:
+
+1. raw ``Consumer.consume(500)``, read_committed, from the beginning to the end (median of 3);
+2. ``stepstream projections rebuild --into FILE`` (SQLite), the real command in its own process; its
+   resident memory (VmRSS) is sampled 5 times a second: it must stay flat as the replay goes on;
+3. the same into a PostgreSQL schema;
+4. where the time goes, in this process on the first 100,000 records: decoding (Avro + pydantic), the row
+   mapping's Python side (``rows.project`` against a null executor), and applying decoded events to a
+   fresh SQLite store.
+
+Progress goes to stderr, the table to stdout; the last line of stdout is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from eventstore.broker import LocalBroker  # noqa: E402
+from eventstore.kafka_config import consume_available, producer_config  # noqa: E402
+from eventstore.settings import KafkaSettings  # noqa: E402
+from eventstore.topics import TopicLayout, ensure_topics  # noqa: E402
+from projections.rows import project  # noqa: E402
+from projections.store import Positioned, SqliteStore  # noqa: E402
+from schemas.codec import default_codec  # noqa: E402
+from schemas.messages import Event  # noqa: E402
+from tests.histories import histories  # noqa: E402
+
+PARTITIONS = 3
+TARGET = 0.5  # rebuild into SQLite vs raw consume
+SAMPLE = 100_000
+console = Console(stderr=True)
+
+
+@dataclass
+class Stage:
+    name: str
+    records: int
+    seconds: float
+    rss_mb: list[float] = field(default_factory=list)
+    repeats: list[float] = field(default_factory=list)
+
+    @property
+    def rate(self) -> float:
+        return self.records / self.seconds if self.seconds else float("nan")
+
+    def as_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"records": self.records, "seconds": round(self.seconds, 3),
+                               "records_per_s": round(self.rate)}
+        if self.rss_mb:
+            settled = self.rss_mb[len(self.rss_mb) // 5:]  # past start-up (imports, connections, first batches)
+            out["rss_mb"] = {"samples": len(self.rss_mb), "at_10_percent_steps": _tenths(self.rss_mb),
+                             "max": round(max(self.rss_mb), 1),
+                             "range_from_20_percent_on": [round(min(settled), 1), round(max(settled), 1)]}
+        if self.repeats:
+            out["repeats_records_per_s"] = [round(r) for r in self.repeats]
+        return out
+
+
+def _tenths(samples: list[float]) -> list[float]:
+    return [round(samples[min(len(samples) - 1, int(len(samples) * k / 10))], 1) for k in range(1, 11)]
+
+
+def bootstrap_servers() -> str:
+    settings = KafkaSettings()
+    if settings.bootstrap_servers:
+        return settings.bootstrap_servers
+    return LocalBroker(settings.home).start().bootstrap_servers
+
+
+def fill(bootstrap: str, topic: str, events: int) -> tuple[int, float]:
+    """Produce task histories until ``events`` events; returns (events, average bytes)."""
+    codec = default_codec()
+    producer = Producer(producer_config(bootstrap))
+    sent = size = 0
+    started = time.perf_counter()
+    for event in histories(events // 7 + 1, seed=42, prefix="bench"):
+        payload = codec.encode(event)
+        while True:
+            try:
+                producer.produce(topic, key=event.task_id, value=payload)
+                break
+            except BufferError:
+                producer.poll(0.1)
+        sent += 1
+        size += len(payload)
+        if sent % 100_000 == 0:
+            console.print(f"produced {sent:,} events ({time.perf_counter() - started:.0f}s)")
+        if sent >= events:
+            break
+    producer.flush(120)
+    return sent, size / sent
+
+
+def raw_consume(bootstrap: str, topic: str, keep: int = 0) -> tuple[Stage, list[bytes]]:
+    # librdkafka postpones the next fetch by fetch.queue.backoff.ms (1 s by default) once 100,000 records
+    # of a partition wait in its queue: a consumer this fast would measure those pauses, not Kafka.
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"bench-raw-{uuid.uuid4().hex}",
+                         "enable.auto.commit": False, "isolation.level": "read_committed",
+                         "enable.partition.eof": True, "fetch.max.bytes": 52428800, "fetch.queue.backoff.ms": 10})
+    consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in range(PARTITIONS)])
+    kept: list[bytes] = []
+    records = 0
+    done: set[int] = set()
+    started = last = 0.0
+    while len(done) < PARTITIONS:
+        before = records
+        for msg in consume_available(consumer, 500, 1.0):
+            if msg.error() is not None:
+                if msg.error().code() == KafkaError._PARTITION_EOF:
+                    done.add(msg.partition())
+                continue
+            if not records:
+                started = time.perf_counter()
+            records += 1
+            if len(kept) < keep:
+                kept.append(msg.value())
+        if records > before:  # first record to last: not the wait for the end-of-partition events
+            last = time.perf_counter()
+    consumer.close()
+    return Stage("raw consume", records, last - started), kept
+
+
+def rebuild_command(name: str, env: dict[str, str], into: str) -> Stage:
+    """``stepstream projections rebuild --into`` in its own process, its RSS sampled meanwhile."""
+    child = subprocess.Popen([sys.executable, "-m", "stepstream", "projections", "rebuild", "--into", into, "--json",
+                              "--no-progress"], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    samples: list[float] = []
+
+    def sample() -> None:
+        status = Path(f"/proc/{child.pid}/status")
+        while child.poll() is None:
+            try:
+                rss = next(line for line in status.read_text().splitlines() if line.startswith("VmRSS:"))
+                samples.append(int(rss.split()[1]) / 1024)
+            except (OSError, StopIteration):
+                pass
+            time.sleep(0.2)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    out, err = child.communicate()
+    sampler.join()
+    if child.returncode != 0:
+        raise RuntimeError(f"{name} failed ({child.returncode}): {err.decode()[-2000:]}")
+    report = orjson.loads(out)
+    return Stage(name, int(report["records"]), float(report["seconds"]), samples)
+
+
+def breakdown(values: list[bytes]) -> dict[str, float]:
+    """Microseconds per event of each part of a replay, measured apart on the same records."""
+    codec = default_codec()
+    started = time.perf_counter()
+    events = [codec.decode(v) for v in values]
+    decode = time.perf_counter() - started
+
+    class Null:
+        def execute(self, _sql: str, _params: tuple[Any, ...] = ()) -> None:
+            return None
+
+    null = Null()
+    started = time.perf_counter()
+    for event in events:
+        project(null, event)  # type: ignore[arg-type]
+    mapping = time.perf_counter() - started
+    with tempfile.TemporaryDirectory() as folder:
+        store = SqliteStore(Path(folder) / "b.db", scratch=True)
+        started = time.perf_counter()
+        decoded = [e for e in events if isinstance(e, Event)]
+        for i in range(0, len(decoded), 2000):
+            store.apply_events("t", [Positioned(0, i + j, e) for j, e in enumerate(decoded[i:i + 2000])])
+        apply = time.perf_counter() - started
+        store.close()
+    n = len(values)
+    return {"decode_us": round(1e6 * decode / n, 2), "row_mapping_python_us": round(1e6 * mapping / n, 2),
+            "apply_sqlite_us_incl_mapping": round(1e6 * apply / n, 2)}
+
+
+def postgres_url(given: str | None) -> tuple[str, Any]:
+    if given:
+        return given, None
+    from tests.postgres import ThrowawayPostgres, server_binaries
+
+    bindir = server_binaries()
+    if bindir is None:
+        raise SystemExit("no PostgreSQL server binaries: pass --postgres-url or --skip-postgres")
+    cluster = ThrowawayPostgres(bindir)
+    return cluster.start(), cluster
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--events", type=int, default=1_000_000)
+    parser.add_argument("--skip-postgres", action="store_true")
+    parser.add_argument("--postgres-url", default=None)
+    args = parser.parse_args()
+    bootstrap = bootstrap_servers()
+    layout = TopicLayout(prefix=f"bench-replay-{uuid.uuid4().hex[:8]}.", partitions=PARTITIONS)
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    ensure_topics(admin, layout.core_specs())
+    cluster = None
+    figures: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                                           "load_before": os.getloadavg()[0]}}
+    try:
+        console.print(f"filling {layout.events} with {args.events:,} events")
+        produced, average = fill(bootstrap, layout.events, args.events)
+        figures["events"] = {"count": produced, "average_bytes": round(average, 1)}
+        raws = []
+        sample: list[bytes] = []
+        for i in range(3):
+            stage, kept = raw_consume(bootstrap, layout.events, keep=SAMPLE if i == 0 else 0)
+            sample = sample or kept
+            raws.append(stage)
+            console.print(f"raw consume {i + 1}: {stage.rate:,.0f} records/s")
+        raw = sorted(raws, key=lambda s: s.rate)[1]
+        raw.repeats = [s.rate for s in raws]
+        with tempfile.TemporaryDirectory() as home:
+            env = {**os.environ, "STEPSTREAM_BOOTSTRAP_SERVERS": bootstrap, "STEPSTREAM_TOPIC_PREFIX": layout.prefix,
+                   "STEPSTREAM_HOME": home, "STEPSTREAM_PARTITIONS": str(PARTITIONS)}
+            console.print("rebuild into SQLite …")
+            stages = [raw, rebuild_command("rebuild into SQLite", env, str(Path(home) / "rebuilt.db"))]
+            console.print(f"  {stages[-1].rate:,.0f} records/s")
+            if not args.skip_postgres:
+                url, cluster = postgres_url(args.postgres_url)
+                console.print("rebuild into PostgreSQL …")
+                stages.append(rebuild_command("rebuild into PostgreSQL", env, f"{url}?schema=bench_rebuild"))
+                console.print(f"  {stages[-1].rate:,.0f} records/s")
+        console.print("breakdown on the first 100,000 records …")
+        figures["breakdown_us_per_event"] = breakdown(sample)
+    finally:
+        if cluster is not None:
+            cluster.stop()
+        admin.delete_topics([layout.events, layout.dlq, layout.inbox, layout.supervisor_lease])
+    figures["load_after"] = os.getloadavg()[0]
+    table = Table(title=f"replay of {produced:,} events ({average:.0f} bytes on average), {PARTITIONS} partitions")
+    for column in ("stage", "records", "seconds", "records/s", "of raw", "RSS MB (10%…100%)"):
+        table.add_column(column, justify="right" if column != "stage" else "left")
+    for stage in stages:
+        ratio = stage.rate / raw.rate
+        table.add_row(stage.name, f"{stage.records:,}", f"{stage.seconds:.2f}", f"{stage.rate:,.0f}",
+                      "" if stage is raw else f"{ratio:.3f}",
+                      " ".join(f"{v:.0f}" for v in _tenths(stage.rss_mb)) if stage.rss_mb else "")
+        figures[stage.name.replace(" ", "_")] = {**stage.as_json(),
+                                                 **({} if stage is raw else {"ratio": round(ratio, 4)})}
+    Console().print(table)
+    sqlite_ratio = stages[1].rate / raw.rate
+    verdict = "met" if sqlite_ratio >= TARGET else "missed"
+    Console().print(f"rebuild into SQLite is {sqlite_ratio:.3f} of raw consume (target >= {TARGET}: {verdict}); "
+                    f"per event: {figures['breakdown_us_per_event']}")
+    figures["target"] = {"sqlite_vs_raw": round(sqlite_ratio, 4), "goal": TARGET, "met": sqlite_ratio >= TARGET}
+    figures["raw_median_of_3"] = statistics.median(raw.repeats)
+    sys.stdout.write(orjson.dumps(figures).decode() + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,203 @@
+"""What ``stepstream projections rebuild|verify`` and ``stepstream serve api`` do, behind the thin CLI.
+
+Human output by default (progress and tables on the terminal), ``--json`` for scripts: then stdout is one
+JSON object. Bad arguments raise ``UsageError`` naming the option.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+from rich.console import Console
+
+from eventstore.errors import StepstreamError
+from eventstore.logs import configure_logging
+from eventstore.settings import KafkaSettings, ObservabilitySettings
+from eventstore.topics import TopicLayout
+from projections.rebuild import (
+    Offsets,
+    Replayer,
+    progress_bar,
+    rebuild_into,
+    rebuild_live,
+    sources,
+    until_time,
+    verify_against_replay,
+    verify_stores,
+)
+from projections.settings import ApiSettings, StoreSettings, StoreSpec
+
+
+class UsageError(StepstreamError):
+    """An option the command cannot use; the message names it."""
+
+
+def parse_until_offset(text: str) -> dict[int, int]:
+    """``P:O[,P:O...]``: the events partitions to stop early, each before offset O."""
+    out = {}
+    for part in text.split(","):
+        partition, sep, offset = part.strip().partition(":")
+        if not sep or not partition.isdigit() or not offset.isdigit():
+            raise UsageError(f"--until-offset {text!r}: expected PARTITION:OFFSET[,PARTITION:OFFSET...] "
+                             "(e.g. 0:120,1:88)")
+        out[int(partition)] = int(offset)
+    return out
+
+
+def parse_time(option: str, text: str) -> datetime:
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError as exc:
+        raise UsageError(f"{option} {text!r}: expected an ISO 8601 time (e.g. 2026-12-02T14:00:00Z)") from exc
+    return when if when.tzinfo else when.replace(tzinfo=UTC)
+
+
+def _emit(as_json: bool, payload: dict[str, Any], human: str) -> None:
+    if as_json:
+        sys.stdout.write(orjson.dumps(payload).decode() + "\n")
+    else:
+        Console().print(human, highlight=False)
+
+
+def rebuild(*, into: str | None, until_offset: str | None, until_time_text: str | None, batch_size: int,
+            as_json: bool, progress: bool) -> int:
+    if batch_size < 1:
+        raise UsageError(f"--batch-size {batch_size}: must be at least 1")
+    if until_offset and until_time_text:
+        raise UsageError("--until-offset and --until-time: choose one")
+    kafka = KafkaSettings()
+    layout = TopicLayout.from_settings(kafka)
+    live_spec = StoreSettings().spec(kafka.home)
+    target = _spec("--into", into) if into else None
+    if target is not None and target == live_spec:
+        raise UsageError(f"--into {into}: that is the live store; rebuild it with `stepstream projections rebuild`")
+    if (until_offset or until_time_text) and target is None:
+        raise UsageError("--until-offset/--until-time rebuild the log as it was then into a store of its own: "
+                         "name it with --into STORE (the live store is never rolled back)")
+    bootstrap = kafka.resolved_bootstrap()
+    until: Offsets | None = None
+    if until_offset:
+        until = {layout.events: parse_until_offset(until_offset)}
+    elif until_time_text:
+        until = until_time(bootstrap, [layout.events, layout.dlq], parse_time("--until-time", until_time_text))
+    with progress_bar(Console(stderr=True) if progress else None) as bar:
+        replayer = Replayer(bootstrap, sources(layout), batch_size=batch_size, progress=bar)
+        store = (target or live_spec).open()
+        try:
+            report = rebuild_into(store, replayer, until) if target else rebuild_live(store, replayer)
+        finally:
+            store.close()
+    rate = f"{report.records / report.seconds:,.0f} records/s" if report.seconds else ""
+    verb = "rebuilt and swapped in" if report.swapped else "built"
+    refused = (f"; {report.replay.rejected} refused by a constraint (see projection_errors)"
+               if report.replay.rejected else "")
+    _emit(as_json, report.as_json(), f"{verb}: {report.store} ({report.records:,} records in "
+                                     f"{report.seconds:.1f}s, {rate}){refused}")
+    return 0
+
+
+def verify(*, against: str | None, batch_size: int, as_json: bool, progress: bool) -> int:
+    """Exit 0 when the stores are equal, 1 when they differ."""
+    kafka = KafkaSettings()
+    layout = TopicLayout.from_settings(kafka)
+    other_spec = _spec("--against", against) if against else None
+    console = Console(stderr=True) if progress else None
+    with progress_bar(console) as bar:
+        live = StoreSettings().open(kafka.home)
+        try:
+            if other_spec is not None:
+                other = other_spec.open()
+                try:
+                    comparison = verify_stores(live, other, bar)
+                finally:
+                    other.close()
+            else:
+                replayer = Replayer(kafka.resolved_bootstrap(), sources(layout), batch_size=batch_size, progress=bar)
+                comparison = verify_against_replay(live, replayer)
+        finally:
+            live.close()
+    if as_json:
+        _emit(True, comparison.as_json(), "")
+    else:
+        comparison.render(Console())
+    return 0 if comparison.equal else 1
+
+
+def _spec(option: str, text: str) -> StoreSpec:
+    try:
+        return StoreSpec.parse(text)
+    except ValueError as exc:
+        raise UsageError(f"{option}: {exc}") from exc
+
+
+def serve_api(*, host: str | None, port: int | None) -> int:
+    """Serve the API, the dashboard and /metrics until SIGTERM/SIGINT (uvicorn drains open requests)."""
+    import uvicorn
+
+    from projections.api import create_app
+    from projections.lag import LagReader
+
+    settings = ApiSettings()
+    observability = ObservabilitySettings()
+    configure_logging(observability.log_level, observability.log_json)
+    kafka = KafkaSettings()
+    layout = TopicLayout.from_settings(kafka)
+    try:
+        lag: LagReader | None = LagReader(kafka.resolved_bootstrap(), layout.prefix)
+    except RuntimeError as exc:  # no cluster configured and no local broker: serve the store anyway
+        print(f"stepstream: lag is not measured: {exc}", file=sys.stderr)
+        lag = None
+    store = StoreSettings().open(kafka.home)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host or settings.host, settings.port if port is None else port))
+    except OSError as exc:
+        raise UsageError(f"--port {port if port is not None else settings.port}: cannot listen: {exc}") from exc
+    # Listen before announcing the address: a client that reads it and connects at once is queued, not
+    # refused, while the app is still starting.
+    listener.listen(2048)
+    bound_host, bound_port = listener.getsockname()[:2]
+    print(f"api listening on http://{bound_host}:{bound_port} (store {store.describe()})", file=sys.stderr,
+          flush=True)
+    server = uvicorn.Server(uvicorn.Config(create_app(store, layout, lag), log_level="warning", access_log=False))
+    try:
+        server.run(sockets=[listener])
+    finally:
+        store.close()
+    return 0
+
+
+def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``stepstream projections rebuild|verify`` and ``stepstream serve api``."""
+    projections = commands.add_parser("projections", help="rebuild the state store from the log, or verify it")
+    actions = projections.add_subparsers(dest="action", required=True)
+    build = actions.add_parser("rebuild", help="replay the log into a fresh store and swap it in (or --into a "
+                                               "store of its own, optionally as the log stood --until ...)")
+    build.add_argument("--into", metavar="STORE", help="build this store instead and swap nothing (a file, "
+                                                       "sqlite:PATH or postgresql://...[?schema=NAME])")
+    build.add_argument("--until-offset", metavar="P:O[,P:O...]",
+                       help="stop each named events partition before offset O (needs --into)")
+    build.add_argument("--until-time", metavar="ISO-8601", help="the log as it stood at this time (needs --into)")
+    check = actions.add_parser("verify", help="compare the store with a fresh replay of the log (or --against "
+                                              "another store), row by row; exit 1 if they differ")
+    check.add_argument("--against", metavar="STORE", help="compare with this store instead of a replay")
+    for parser in (build, check):
+        parser.add_argument("--batch-size", type=int, default=2000, help="records per transaction (default 2000)")
+        parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
+        parser.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
+    build.set_defaults(func=lambda a: rebuild(into=a.into, until_offset=a.until_offset, until_time_text=a.until_time,
+                                              batch_size=a.batch_size, as_json=a.json, progress=not a.no_progress))
+    check.set_defaults(func=lambda a: verify(against=a.against, batch_size=a.batch_size, as_json=a.json,
+                                             progress=not a.no_progress))
+
+    serve = commands.add_parser("serve", help="serve the dashboard API, the dashboard page and /metrics")
+    serve.add_argument("what", choices=["api"])
+    serve.add_argument("--host", default=None, help="interface (default STEPSTREAM_API_HOST, 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=None, help="port (default STEPSTREAM_API_PORT, 8780; 0: any free)")
+    serve.set_defaults(func=lambda a: serve_api(host=a.host, port=a.port))

@@ -1,0 +1,150 @@
+// The stepstream dashboard: reads the JSON API of the process that served this page and redraws
+// itself every few seconds (?refresh=SECONDS, default 3). No build step, no dependencies.
+"use strict";
+
+const STATES = ["accepted", "running", "completed", "error", "compensating", "compensated",
+                "compensation_failed", "rejected"];
+const REFRESH_S = Number(new URLSearchParams(location.search).get("refresh")) || 3;
+
+async function get(path) {
+  const response = await fetch(path, {headers: {accept: "application/json"}});
+  if (!response.ok) throw new Error(`${path}: HTTP ${response.status}`);
+  return response.json();
+}
+
+function el(tag, text, attrs = {}) {
+  const node = document.createElement(tag);
+  if (text !== undefined && text !== null) node.textContent = String(text);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
+  return node;
+}
+
+function when(ms) {
+  return ms ? new Date(ms).toISOString().replace("T", " ").slice(0, 23) : "";
+}
+
+function fill(tableId, rows, columns, onClick) {
+  const body = document.querySelector(`#${tableId} tbody`);
+  body.replaceChildren();
+  if (!rows.length) {
+    const width = document.querySelectorAll(`#${tableId} thead th`).length || 2;
+    body.append(el("tr", null)).append(el("td", "none", {colspan: width, class: "empty"}));
+    return;
+  }
+  for (const row of rows) {
+    const tr = el("tr", null, onClick ? {class: "clickable"} : {});
+    for (const column of columns) {
+      const [value, cls] = column(row);
+      tr.append(el("td", value, cls ? {class: cls} : {}));
+    }
+    if (onClick) tr.addEventListener("click", () => onClick(row));
+    body.append(tr);
+  }
+}
+
+function drawCounts(counts) {
+  const tiles = document.getElementById("counts");
+  tiles.replaceChildren();
+  for (const state of STATES) {
+    const tile = el("div", null, {class: `tile ${state}`});
+    tile.append(el("div", counts.tasks[state] || 0, {class: "n", "data-count": state}), el("div", state));
+    tiles.append(tile);
+  }
+  document.getElementById("total").textContent = `${counts.total} in all`;
+  const outcomes = [
+    ["tasks compensated", counts.tasks.compensated], ["tasks compensation failed", counts.tasks.compensation_failed],
+    ["tasks compensating", counts.tasks.compensating], ["steps compensated", counts.steps.compensated],
+    ["steps compensation failed", counts.steps.compensation_failed],
+    ["steps compensation skipped", counts.steps.compensation_skipped],
+  ];
+  fill("compensation", outcomes, [r => [r[0]], r => [r[1] || 0, "n"]]);
+}
+
+function drawDlq(summary) {
+  document.getElementById("dlq-depth").textContent = summary.depth;
+  fill("dlq-kinds", Object.entries(summary.by_kind), [r => [r[0]], r => [r[1]]]);
+}
+
+function drawThroughput(data) {
+  const svg = document.getElementById("throughput");
+  svg.replaceChildren();
+  const peak = Math.max(1, ...data.series.map(p => p.events));
+  const width = 300 / data.series.length;
+  data.series.forEach((point, i) => {
+    const height = 58 * point.events / peak;
+    const bar = document.createElementNS("http://www.w3.org/2000/svg", "rect");
+    for (const [k, v] of Object.entries({x: i * width, y: 60 - height, width: Math.max(width - 0.5, 0.5), height})) {
+      bar.setAttribute(k, v);
+    }
+    bar.append(document.createElementNS("http://www.w3.org/2000/svg", "title"));
+    bar.firstChild.textContent = `${when(point.minute)}: ${point.events}`;
+    svg.append(bar);
+  });
+  document.getElementById("throughput-total").textContent = data.total;
+}
+
+async function showTimeline(taskId) {
+  document.getElementById("timeline-task").value = taskId;
+  history.replaceState(null, "", `#task=${encodeURIComponent(taskId)}`);
+  const list = document.getElementById("timeline");
+  const summary = document.getElementById("timeline-summary");
+  try {
+    const task = await get(`/api/tasks/${encodeURIComponent(taskId)}`);
+    summary.textContent = `${task.task_id}: ${task.status} (workflow ${task.workflow} v${task.workflow_version}, ` +
+      `${task.steps.length} steps${task.error ? ", " + task.error : ""})`;
+    list.replaceChildren(...task.timeline.map(e => {
+      const item = el("li", null, {"data-sequence": e.sequence});
+      const detail = e.event.step ? ` ${e.event.step}` : "";
+      const extra = e.event.error || e.event.reason || "";
+      item.append(el("span", when(e.occurred_at), {class: "when"}), el("span", e.event_type, {class: "type"}),
+                  el("span", `${detail}${extra ? " — " + extra : ""}`));
+      return item;
+    }));
+  } catch (err) {
+    summary.textContent = String(err.message);
+    list.replaceChildren();
+  }
+}
+
+async function refresh() {
+  try {
+    const [health, counts, stuck, failed, alerts, dlq, tasks, throughput] = await Promise.all([
+      get("/api/health"), get("/api/counts"), get("/api/steps/stuck?limit=20"), get("/api/steps/failed?limit=20"),
+      get("/api/alerts?limit=20"), get("/api/dlq/summary"), get("/api/tasks?limit=20"), get("/api/throughput?minutes=60"),
+    ]);
+    document.getElementById("store").textContent = health.store;
+    drawCounts(counts);
+    drawDlq(dlq);
+    drawThroughput(throughput);
+    const pick = row => showTimeline(row.task_id);
+    fill("stuck", stuck.items, [r => [r.task_id], r => [r.step], r => [r.status], r => [r.attempt],
+                                r => [when(r.complete_by)]], pick);
+    fill("failed", failed.items, [r => [r.task_id], r => [r.step], r => [r.status], r => [r.failure_count],
+                                  r => [r.error, "error"], r => [when(r.updated_at)]], pick);
+    fill("alerts", alerts.items, [r => [when(r.occurred_at)], r => [r.task_id], r => [r.step], r => [r.reason]], pick);
+    fill("tasks", tasks.items, [r => [r.task_id], r => [r.workflow], r => [r.status], r => [r.current_step],
+                                r => [r.failure_count], r => [when(r.created_at)]], pick);
+    try {
+      const lag = await get("/api/lag");
+      fill("lag", [...lag.projection, ...lag.groups], [r => [r.group], r => [r.topic], r => [r.partition],
+                                                       r => [r.position], r => [r.end], r => [r.lag]]);
+    } catch (err) {
+      fill("lag", [{message: err.message}], [r => [r.message, "error"]]);
+    }
+    document.getElementById("refreshed").textContent = `refreshed ${new Date().toLocaleTimeString()}`;
+    document.body.dataset.refreshes = String(Number(document.body.dataset.refreshes || 0) + 1);
+  } catch (err) {
+    document.getElementById("refreshed").textContent = `refresh failed: ${err.message}`;
+  }
+}
+
+document.getElementById("timeline-form").addEventListener("submit", event => {
+  event.preventDefault();
+  const taskId = document.getElementById("timeline-task").value.trim();
+  if (taskId) showTimeline(taskId);
+});
+
+const chosen = new URLSearchParams(location.hash.slice(1)).get("task");
+if (chosen) showTimeline(chosen);
+refresh();
+setInterval(refresh, REFRESH_S * 1000);

@@ -1,0 +1,178 @@
+"""``stepstream task resubmit|compensate|cancel|retry-compensation TASK_ID``: operators intervene on a task.
+
+Each sub-command produces one ``OperatorCommand`` on ``inbox``, keyed by the task, under a command id the
+operator may choose (``--command-id``): the scheduler answers a command id once, so a command sent again
+after a timeout or a crash acts at most once. The scheduler decides, and records the outcome on
+``events``: the transition the command caused (naming its command id), or ``OperatorCommandRefused`` with
+the reason. With ``--wait`` this command reads ``events`` until that outcome appears and reports it.
+
+- ``resubmit [--step S]``: a new attempt of the failed step of a task in ``error``, with a fresh budget,
+  once the cause is fixed;
+- ``compensate``: undo the completed steps of a task in ``error``;
+- ``cancel``: stop a running task and undo what it completed (its attempt in flight is abandoned: a late
+  answer changes nothing);
+- ``retry-compensation [--step S]``: retry the failed compensation of a task in ``compensation_failed``.
+
+Exit codes: 0 sent (with ``--wait``: accepted), 3 no such task, 6 refused, 124 ``--wait`` timed out.
+Nothing printed comes from step outputs, so values marked sensitive never reach a terminal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import orjson
+
+from eventstore.producer import EventProducer
+from eventstore.replay import ReplayReader
+from eventstore.settings import KafkaSettings
+from eventstore.topics import TopicLayout
+from schemas.messages import (
+    CompensationRetried,
+    CompensationStarted,
+    Event,
+    OperatorAction,
+    OperatorCommand,
+    OperatorCommandRefused,
+    StepResubmitted,
+    new_id,
+)
+
+EXIT_NOT_FOUND, EXIT_REFUSED, EXIT_TIMEOUT = 3, 6, 124
+_ACTIONS: dict[OperatorAction, str] = {
+    "resubmit": "run the failed step of a task in error again (after fixing its cause)",
+    "compensate": "undo the completed steps of a task in error",
+    "cancel": "stop a running task and undo what it completed",
+    "retry-compensation": "retry the failed compensation of a task in compensation_failed",
+}
+_TAKES_STEP: frozenset[OperatorAction] = frozenset({"resubmit", "retry-compensation"})
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The scheduler's answer to one operator command, as recorded on ``events``."""
+
+    status: Literal["accepted", "refused"]
+    detail: str
+
+    @classmethod
+    def of(cls, event: Event) -> Outcome:
+        match event:
+            case OperatorCommandRefused():
+                return cls("refused", event.reason)
+            case StepResubmitted():
+                return cls("accepted", f"step {event.step!r} resubmitted")
+            case CompensationRetried():
+                return cls("accepted", f"compensation of step {event.step!r} retried")
+            case CompensationStarted():
+                plan = ", ".join(event.steps) if event.steps else "nothing to undo"
+                return cls("accepted", f"compensating ({event.trigger}): {plan}")
+        return cls("accepted", type(event).__name__)  # a transition added later: still an acceptance
+
+
+class TaskEvents:
+    """The events of one task, read from ``events`` a little more each time.
+
+    The first read starts at the beginning of every partition; later reads resume after the last record
+    seen (only in the task's partition once it is known). Resuming after what was read, not at the end
+    offsets the read started with, matters: records of a transaction still open lie below those end
+    offsets and would be skipped for good once it commits.
+    """
+
+    def __init__(self, bootstrap: str, topic: str, task_id: str) -> None:
+        self.bootstrap = bootstrap
+        self.topic = topic
+        self.task_id = task_id
+        self._next: dict[int, int] = {}
+        self._partitions: list[int] | None = None
+
+    def read(self) -> list[Event]:
+        found: list[Event] = []
+        reader = ReplayReader(self.bootstrap, self.topic, partitions=self._partitions, start_offsets=self._next)
+        for record in reader:
+            self._next[record.partition] = record.offset + 1
+            if isinstance(record.message, Event) and record.message.task_id == self.task_id:
+                found.append(record.message)
+                self._partitions = [record.partition]
+        return found
+
+    def wait(self, command_id: str, timeout_s: float, seen: list[Event] | None = None,
+             interval_s: float = 0.25) -> Outcome | None:
+        """The outcome of ``command_id`` (among ``seen`` or events still to come), or None past the timeout."""
+        deadline = time.monotonic() + timeout_s
+        outcome = _answer(command_id, seen or [])
+        while outcome is None and time.monotonic() < deadline:
+            time.sleep(interval_s)
+            outcome = _answer(command_id, self.read())
+        return outcome
+
+
+def _answer(command_id: str, events: list[Event]) -> Outcome | None:
+    """The outcome recorded for ``command_id`` among ``events``: the one event naming it."""
+    for event in events:
+        if getattr(event, "command_id", None) == command_id:
+            return Outcome.of(event)
+    return None
+
+
+def add_parsers(commands: Any) -> None:
+    task = commands.add_parser("task", help="operator actions on one task")
+    actions = task.add_subparsers(dest="action", required=True)
+    for action, description in _ACTIONS.items():
+        parser = actions.add_parser(action, help=description, description=description)
+        parser.add_argument("task_id")
+        if action in _TAKES_STEP:
+            parser.add_argument("--step", default=None, help="the step (default: the one that failed)")
+        parser.add_argument("--command-id", default=None,
+                            help="idempotency key of this command (default: a new one); resend it to retry safely")
+        parser.add_argument("--operator", default=None, help="who acts (default: the login name)")
+        parser.add_argument("--wait", action="store_true", help="wait for the scheduler's answer")
+        parser.add_argument("--timeout", type=float, default=60.0, help="seconds --wait waits")
+        parser.add_argument("--json", action="store_true", help="machine-readable output")
+        parser.set_defaults(func=_task)
+
+
+def _task(args: argparse.Namespace) -> int:
+    kafka = KafkaSettings()
+    layout = TopicLayout.from_settings(kafka)
+    bootstrap = kafka.resolved_bootstrap()
+    command = OperatorCommand(task_id=args.task_id, command_id=args.command_id or new_id(), action=args.action,
+                              step=getattr(args, "step", None), operator=args.operator or _login())
+    report = {"task_id": command.task_id, "command_id": command.command_id, "action": command.action}
+    watcher = TaskEvents(bootstrap, layout.events, command.task_id) if args.wait else None
+    history = watcher.read() if watcher is not None else []
+    if watcher is not None and not history:
+        _print(args.json, {**report, "outcome": "not_found"}, f"no task {command.task_id!r} in the event log")
+        return EXIT_NOT_FOUND
+    producer = EventProducer(bootstrap)
+    producer.send(layout.inbox, command)
+    producer.flush()
+    if watcher is None:
+        _print(args.json, {**report, "outcome": "sent"},
+               f"sent {command.action} for task {command.task_id} as command {command.command_id}")
+        return 0
+    outcome = watcher.wait(command.command_id, args.timeout, history)
+    if outcome is None:
+        _print(args.json, {**report, "outcome": "timeout"},
+               f"no answer to command {command.command_id} within {args.timeout:g}s; it may still be applied "
+               "(resend it with --command-id to wait again)")
+        return EXIT_TIMEOUT
+    _print(args.json, {**report, "outcome": outcome.status, "detail": outcome.detail},
+           f"{outcome.status}: {outcome.detail}")
+    return 0 if outcome.status == "accepted" else EXIT_REFUSED
+
+
+def _login() -> str | None:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no login name in this environment (a container without a passwd entry)
+        return None
+
+
+def _print(as_json: bool, data: dict[str, Any], text: str) -> None:
+    print(orjson.dumps(data).decode() if as_json else text)
+

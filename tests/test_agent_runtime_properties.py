@@ -1,0 +1,90 @@
+"""Properties of one attempt's retry loop on a fake clock: whatever the policy, the service's answers
+and the scheduler's limits, no call is made past the allowance, the retry limit or the deadline."""
+
+from __future__ import annotations
+
+import random
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agents.breaker import BreakerPolicy
+from agents.budget import BudgetPolicy
+from agents.policy import DependencyPolicy
+from agents.retry import RetryPolicy
+from agents.runtime import Agent, Call, TransientError
+from schemas.messages import AgentRequest
+
+EPOCH = datetime(2030, 1, 1, tzinfo=UTC)
+
+
+class FakeTime:
+    """Monotonic seconds since EPOCH; sleeping and calls advance it."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def monotonic(self) -> float:
+        return self.t
+
+    def now(self) -> datetime:
+        return EPOCH + timedelta(seconds=self.t)
+
+    def sleep(self, seconds: float) -> bool:
+        self.t += seconds
+        return False
+
+
+answers = st.tuples(st.floats(0.0, 3.0), st.none() | st.floats(0.0, 5.0))  # (call duration, Retry-After)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    retry=st.builds(RetryPolicy, strategy=st.sampled_from(["exponential", "incremental", "regular"]),
+                    max_retries=st.integers(0, 30), initial_backoff_s=st.floats(0.01, 1.0),
+                    max_backoff_s=st.floats(1.0, 4.0), jitter=st.floats(0, 1), immediate_first_retry=st.booleans(),
+                    call_timeout_s=st.floats(0.05, 5.0)),
+    calls_allowed=st.integers(0, 20),
+    deadline_s=st.floats(0.1, 20.0),
+    script=st.lists(answers, min_size=1, max_size=40),
+    budget=st.integers(0, 30),
+    seed=st.integers(0, 2**16),
+)
+def test_an_attempt_stays_within_its_allowance_its_retry_limit_its_budget_and_its_deadline(
+    retry: RetryPolicy, calls_allowed: int, deadline_s: float, script: list[tuple[float, float | None]],
+    budget: int, seed: int,
+) -> None:
+    clock = FakeTime()
+    starts: list[float] = []
+    timeouts: list[float] = []
+
+    def handler(call: Call) -> dict[str, Any]:
+        starts.append(clock.t)
+        timeouts.append(call.timeout_s)
+        duration, retry_after = script[(len(starts) - 1) % len(script)]
+        clock.t += min(duration, call.timeout_s)
+        if duration > call.timeout_s:
+            raise TimeoutError("read timed out")
+        raise TransientError("503", retry_after_s=retry_after)
+
+    policy = DependencyPolicy(retry=retry, breaker=BreakerPolicy(enabled=False),
+                              budget=BudgetPolicy(retries_per_window=budget, ratio=0, window_s=3600))
+    agent = Agent("prop", handler, policy, sleep=clock.sleep, monotonic=clock.monotonic, now=clock.now,
+                  rng=random.Random(seed))
+    request = AgentRequest(task_id="t", step="s", attempt=1, attempt_id="t:s:1", idempotency_key="t:s",
+                           complete_by=EPOCH + timedelta(seconds=deadline_s), calls_allowed=calls_allowed, input={})
+    deadline = (request.complete_by - EPOCH).total_seconds()  # millisecond-truncated, as on the wire
+
+    result = agent.execute(request)
+
+    assert not result.ok and not result.permanent
+    assert result.calls == len(starts)
+    assert len(starts) <= calls_allowed
+    assert len(starts) <= retry.max_retries + 1
+    assert len(starts) <= budget + 1, "retries beyond the first call come out of the budget"
+    assert all(start < deadline for start in starts), "no call starts at or after the deadline"
+    assert all(start + timeout <= deadline + 1e-6 for start, timeout in zip(starts, timeouts, strict=True)), \
+        "no call may run past the deadline"
+    assert all(timeout <= retry.call_timeout_s for timeout in timeouts)

@@ -7,7 +7,7 @@ partition whose headers name the dead letter and where its copy landed. The reco
 replayed is therefore on the log, in order after the dead letter, for these tools (a second replay
 of the same dead letter needs ``--force``) and for the projector's ``dlq_entries`` table alike.
 
-``LogRange``, the bounded raw reader the tools need (headers included), also serves rebuilds.
+The tools read the log with ``eventstore.replay.LogRange`` (raw records, headers included).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import base64
 import functools
 import sys
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -29,8 +28,9 @@ from rich.console import Console
 from rich.table import Table
 
 from eventstore.dlq import HEADER_PREFIX, read_dlq_headers
-from eventstore.errors import StepstreamError
-from eventstore.kafka_config import consume_available, producer_config
+from eventstore.errors import LogReadError, StepstreamError
+from eventstore.kafka_config import producer_config
+from eventstore.replay import LogRange
 from eventstore.settings import KafkaSettings
 from eventstore.topics import TopicLayout
 from schemas.codec import Codec, default_codec
@@ -56,85 +56,6 @@ def parse_entry(text: str) -> tuple[int, int]:
 
 
 # -- reading a bounded range of a topic --------------------------------------------------------------
-
-
-class LogRange:
-    """A topic's partitions from start offsets up to end offsets (exclusive), raw, headers included.
-
-    No consumer group (nothing committed, nobody's assignment changes) and read_committed, so aborted
-    transactions never show. ``partitions`` defaults to all; a partition's start to its low watermark
-    and its end to its high watermark seen when the range is made (records appended meanwhile belong to
-    the next read).
-    """
-
-    def __init__(self, bootstrap: str, topic: str, *, partitions: Iterable[int] | None = None,
-                 starts: Mapping[int, int] | None = None, ends: Mapping[int, int] | None = None,
-                 batch_size: int = 1000) -> None:
-        self.topic = topic
-        self.batch_size = batch_size
-        self._consumer = Consumer({
-            "bootstrap.servers": bootstrap,
-            "group.id": f"stepstream-range-{uuid.uuid4().hex}",
-            "enable.auto.commit": False,
-            "enable.partition.eof": True,
-            "isolation.level": "read_committed",
-            "fetch.max.bytes": 52428800,
-            # Once 100,000 records of a partition wait in the local queue, librdkafka postpones the next
-            # fetch by this long (default 1 s): a fast reader (``dlq list``) would stall on it.
-            "fetch.queue.backoff.ms": 10,
-        })
-        metadata = self._consumer.list_topics(topic, timeout=30).topics[topic]
-        if metadata.error is not None:
-            self._consumer.close()
-            raise DlqToolError(f"cannot read {topic}: {metadata.error}")
-        existing = sorted(metadata.partitions)
-        self.partitions = existing if partitions is None else sorted(partitions)
-        unknown = set(self.partitions) - set(existing)
-        if unknown:
-            self._consumer.close()
-            raise DlqToolError(f"{topic} has partitions {existing[0]}-{existing[-1]}, not {sorted(unknown)}")
-        self.watermarks: dict[int, tuple[int, int]] = {}
-        self.starts: dict[int, int] = {}
-        self.ends: dict[int, int] = {}
-        for p in self.partitions:
-            low, high = self._consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)
-            self.watermarks[p] = (low, high)
-            self.starts[p] = max(low, (starts or {}).get(p, low))
-            self.ends[p] = min(high, (ends or {}).get(p, high))
-
-    @property
-    def total(self) -> int:
-        """Offsets in the range (an upper bound of its records: transaction markers take offsets too)."""
-        return sum(max(0, self.ends[p] - self.starts[p]) for p in self.partitions)
-
-    def close(self) -> None:
-        self._consumer.close()
-
-    def __iter__(self) -> Iterator[KafkaMessage]:
-        pending = {p for p in self.partitions if self.ends[p] > self.starts[p]}
-        if not pending:
-            self._consumer.close()
-            return
-        self._consumer.assign([TopicPartition(self.topic, p, self.starts[p]) for p in sorted(pending)])
-        try:
-            while pending:
-                for msg in consume_available(self._consumer, self.batch_size, 1.0):
-                    partition = msg.partition()
-                    if msg.error() is not None:
-                        if msg.error().code() == KafkaError._PARTITION_EOF:
-                            pending.discard(partition)
-                            continue
-                        raise DlqToolError(f"reading {self.topic}[{partition}] failed: {msg.error()}")
-                    if partition not in pending:
-                        continue
-                    if msg.offset() >= self.ends[partition]:
-                        pending.discard(partition)
-                        continue
-                    yield msg
-                    if msg.offset() + 1 >= self.ends[partition]:
-                        pending.discard(partition)
-        finally:
-            self._consumer.close()
 
 
 def offsets_at(bootstrap: str, topic: str, when: datetime) -> dict[int, int]:
@@ -297,7 +218,7 @@ class DeadLetters:
         try:
             reader = LogRange(self.bootstrap, self.topic, partitions=[partition], starts={partition: offset},
                               ends={partition: offset + 1})
-        except DlqToolError as exc:
+        except LogReadError as exc:
             raise DlqToolError(f"ENTRY {partition}:{offset}: {exc}") from exc
         low, high = reader.watermarks[partition]
         found = [DeadLetter.from_message(m) for m in reader if m.offset() == offset]

@@ -34,3 +34,7 @@ class PoisonMessageError(StepstreamError):
 
 class DrainTimeoutError(StepstreamError):
     """In-flight work did not finish within the drain timeout after SIGTERM."""
+
+
+class LogReadError(StepstreamError):
+    """A topic range cannot be read: no such topic or partition, or the broker refused the fetch."""

@@ -8,11 +8,13 @@ partition had when the replay started: events appended meanwhile belong to the n
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
+from confluent_kafka import Consumer, KafkaError, TopicPartition
+from confluent_kafka import Message as KafkaMessage
 
+from eventstore.errors import LogReadError
 from eventstore.kafka_config import consume_available
 from eventstore.runtime import Record
 from schemas.codec import Codec, default_codec
@@ -30,41 +32,64 @@ class ReplayStats:
         return sum(self.end_offsets.values())
 
 
-class ReplayReader:
-    """Iterate a topic's records in order per partition, up to the end offsets seen at start."""
+class LogRange:
+    """A topic's partitions from start offsets up to end offsets (exclusive), raw, headers included.
 
-    def __init__(self, bootstrap: str, topic: str, *, partitions: list[int] | None = None,
-                 start_offsets: dict[int, int] | None = None, codec: Codec | None = None,
+    No consumer group (nothing committed, nobody's assignment changes) and read_committed, so aborted
+    transactions never show. ``partitions`` defaults to all; a partition's start to its low watermark
+    and its end to its high watermark seen when the range is made (records appended meanwhile belong to
+    the next read).
+    """
+
+    def __init__(self, bootstrap: str, topic: str, *, partitions: Iterable[int] | None = None,
+                 starts: Mapping[int, int] | None = None, ends: Mapping[int, int] | None = None,
                  batch_size: int = 1000) -> None:
         self.topic = topic
-        self.codec = codec or default_codec()
         self.batch_size = batch_size
-        self.stats = ReplayStats()
         self._consumer = Consumer({
             "bootstrap.servers": bootstrap,
-            "group.id": f"stepstream-replay-{uuid.uuid4().hex}",
+            "group.id": f"stepstream-range-{uuid.uuid4().hex}",
             "enable.auto.commit": False,
             "enable.partition.eof": True,
             "isolation.level": "read_committed",
             "fetch.max.bytes": 52428800,
+            # Once 100,000 records of a partition wait in the local queue, librdkafka postpones the next
+            # fetch by this long (default 1 s): a fast reader (``dlq list``) would stall on it.
+            "fetch.queue.backoff.ms": 10,
         })
         metadata = self._consumer.list_topics(topic, timeout=30).topics[topic]
         if metadata.error is not None:
-            raise ValueError(f"cannot replay {topic}: {metadata.error}")
-        chosen = sorted(metadata.partitions) if partitions is None else partitions
-        starts = start_offsets or {}
-        self._assignment = [TopicPartition(topic, p, starts.get(p, OFFSET_BEGINNING)) for p in chosen]
-        for p in chosen:
-            _low, high = self._consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)
-            self.stats.end_offsets[p] = high
+            self._consumer.close()
+            raise LogReadError(f"cannot read {topic}: {metadata.error}")
+        existing = sorted(metadata.partitions)
+        self.partitions = existing if partitions is None else sorted(partitions)
+        unknown = set(self.partitions) - set(existing)
+        if unknown:
+            self._consumer.close()
+            raise LogReadError(f"{topic} has partitions {existing[0]}-{existing[-1]}, not {sorted(unknown)}")
+        self.watermarks: dict[int, tuple[int, int]] = {}
+        self.starts: dict[int, int] = {}
+        self.ends: dict[int, int] = {}
+        for p in self.partitions:
+            low, high = self._consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)
+            self.watermarks[p] = (low, high)
+            self.starts[p] = max(low, (starts or {}).get(p, low))
+            self.ends[p] = min(high, (ends or {}).get(p, high))
 
-    def raw(self) -> Iterator[tuple[int, int, bytes | None, bytes | None]]:
-        """(partition, offset, key, value) without decoding, for tools that copy or inspect bytes."""
-        pending = {tp.partition for tp in self._assignment if self.stats.end_offsets[tp.partition] > 0}
+    @property
+    def total(self) -> int:
+        """Offsets in the range (an upper bound of its records: transaction markers take offsets too)."""
+        return sum(max(0, self.ends[p] - self.starts[p]) for p in self.partitions)
+
+    def close(self) -> None:
+        self._consumer.close()
+
+    def __iter__(self) -> Iterator[KafkaMessage]:
+        pending = {p for p in self.partitions if self.ends[p] > self.starts[p]}
         if not pending:
             self._consumer.close()
             return
-        self._consumer.assign(self._assignment)
+        self._consumer.assign([TopicPartition(self.topic, p, self.starts[p]) for p in sorted(pending)])
         try:
             while pending:
                 for msg in consume_available(self._consumer, self.batch_size, 1.0):
@@ -73,18 +98,34 @@ class ReplayReader:
                         if msg.error().code() == KafkaError._PARTITION_EOF:
                             pending.discard(partition)
                             continue
-                        raise RuntimeError(f"replay of {self.topic}[{partition}] failed: {msg.error()}")
+                        raise LogReadError(f"reading {self.topic}[{partition}] failed: {msg.error()}")
                     if partition not in pending:
                         continue
-                    offset = msg.offset()
-                    if offset >= self.stats.end_offsets[partition]:
+                    if msg.offset() >= self.ends[partition]:
                         pending.discard(partition)
                         continue
-                    yield partition, offset, msg.key(), msg.value()
-                    if offset + 1 >= self.stats.end_offsets[partition]:
+                    yield msg
+                    if msg.offset() + 1 >= self.ends[partition]:
                         pending.discard(partition)
         finally:
             self._consumer.close()
+
+
+class ReplayReader:
+    """Decoded records of a topic in order per partition, up to the end offsets seen at start."""
+
+    def __init__(self, bootstrap: str, topic: str, *, partitions: list[int] | None = None,
+                 start_offsets: dict[int, int] | None = None, codec: Codec | None = None,
+                 batch_size: int = 1000) -> None:
+        self.topic = topic
+        self.codec = codec or default_codec()
+        self._range = LogRange(bootstrap, topic, partitions=partitions, starts=start_offsets, batch_size=batch_size)
+        self.stats = ReplayStats(end_offsets=dict(self._range.ends))
+
+    def raw(self) -> Iterator[tuple[int, int, bytes | None, bytes | None]]:
+        """(partition, offset, key, value) without decoding, for tools that copy or inspect bytes."""
+        for msg in self._range:
+            yield msg.partition(), msg.offset(), msg.key(), msg.value()
 
     def __iter__(self) -> Iterator[Record]:
         for partition, offset, key, value in self.raw():

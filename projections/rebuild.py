@@ -31,7 +31,8 @@ from rich.progress import BarColumn, Progress, ProgressColumn, Task, TaskID, Tex
 from rich.table import Table
 from rich.text import Text
 
-from eventstore.dlq_tools import DeadLetter, LogRange, offsets_at
+from eventstore.dlq_tools import DeadLetter, offsets_at
+from eventstore.replay import LogRange
 from eventstore.topics import TopicLayout
 from projections.dlq_rows import project_dead_letter
 from projections.rows import project

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from confluent_kafka.admin import AdminClient
 
-from eventstore.broker import KAFKA_VERSION, LocalBroker
+from eventstore.broker import LocalBroker
 from eventstore.topics import TopicLayout, ensure_topics
 
 
@@ -44,7 +44,8 @@ def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaUnderTest]:
     if _docker_answers():
         from testcontainers.kafka import KafkaContainer
 
-        with KafkaContainer(f"apache/kafka:{KAFKA_VERSION}").with_kraft() as container:
+        # testcontainers' KafkaContainer drives the Confluent image's start scripts (not apache/kafka's).
+        with KafkaContainer("confluentinc/cp-kafka:7.6.0").with_kraft() as container:
             yield KafkaUnderTest(container.get_bootstrap_server(), None)
         return
     broker = LocalBroker(tmp_path_factory.mktemp("kafka-home"))

@@ -25,7 +25,6 @@ file under the project folder, progress to stderr; the last line of stdout is on
 from __future__ import annotations
 
 import argparse
-import contextlib
 import cProfile
 import gc
 import io
@@ -37,15 +36,14 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import orjson
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient
 from rich.console import Console
 from rich.table import Table
 
@@ -55,14 +53,21 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parent))
 
-from eventstore.broker import LocalBroker  # noqa: E402
+from benchmarks.shared import (  # noqa: E402
+    create_fresh_topics,
+    delete_topics,
+    message_count,
+    quiet_stderr,
+    resolve_bootstrap,
+    short_filename,
+)
 from eventstore.kafka_config import producer_config  # noqa: E402
 from eventstore.logs import configure_logging  # noqa: E402
 from eventstore.producer import EventProducer  # noqa: E402
 from eventstore.replay import ReplayReader  # noqa: E402
 from eventstore.runtime import ConsumerRuntime, Record  # noqa: E402
 from eventstore.settings import KafkaSettings  # noqa: E402
-from eventstore.topics import FOREVER, TopicSpec, ensure_topics  # noqa: E402
+from eventstore.topics import FOREVER, TopicSpec  # noqa: E402
 from schemas.codec import Codec, default_codec  # noqa: E402
 from schemas.messages import Event, OperatorAlert, StepStarted, now  # noqa: E402
 
@@ -131,32 +136,6 @@ class Workload:
 # -- set-up ---------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def quiet_stderr(log_path: Path) -> Iterator[TextIO]:
-    """Send fd 2 (librdkafka logs, service logs) to ``log_path``; yield a stream to the real stderr."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    sys.stderr.flush()
-    saved = os.dup(2)
-    terminal = os.fdopen(os.dup(saved), "w", buffering=1)
-    with open(log_path, "ab") as log:
-        os.dup2(log.fileno(), 2)
-        try:
-            yield terminal
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            terminal.close()
-
-
-def resolve_bootstrap(settings: KafkaSettings) -> tuple[str, str]:
-    """(bootstrap servers, description): the configured cluster, else the local broker (started if needed)."""
-    if settings.bootstrap_servers:
-        return settings.bootstrap_servers, "STEPSTREAM_BOOTSTRAP_SERVERS"
-    info = LocalBroker(settings.home).start()
-    return info.bootstrap_servers, f"local broker (pid {info.pid})"
-
-
 def make_workload(n: int, tasks: int, codec: Codec, seed: int = 7) -> Workload:
     """``n`` events over ``tasks`` task ids: 3 StepStarted to 1 OperatorAlert, sequences per task."""
     rng = random.Random(seed)
@@ -207,40 +186,8 @@ def create_topics(bootstrap: str, prefix: str) -> Topics:
     topics = Topics(f"{prefix}raw", f"{prefix}events", f"{prefix}dlq", f"{prefix}warmup")
     specs = [TopicSpec(topics.raw, PARTITIONS, event_store), TopicSpec(topics.events, PARTITIONS, event_store),
              TopicSpec(topics.dlq, PARTITIONS, {"retention.ms": FOREVER}), TopicSpec(topics.warmup, 1)]
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    created = ensure_topics(admin, specs)
-    if sorted(created) != sorted(topics.names):
-        raise RuntimeError(f"expected fresh topics, but only {created} were created")
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        listed = admin.list_topics(timeout=10).topics
-        if all(name in listed and listed[name].error is None and listed[name].partitions
-               and all(p.leader >= 0 for p in listed[name].partitions.values()) for name in topics.names):
-            return topics
-        time.sleep(0.1)
-    raise RuntimeError("the new topics got no partition leaders within 30s")
-
-
-def delete_topics(bootstrap: str, topics: list[str]) -> list[str]:
-    """Delete ``topics``; returns the errors. The admin client must outlive the futures it answers."""
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    errors = []
-    for name, future in admin.delete_topics(topics, operation_timeout=30).items():
-        try:
-            future.result(timeout=30)
-        except Exception as exc:  # reported; the figures are still valid
-            errors.append(f"{name}: {exc}")
-    return errors
-
-
-def message_count(bootstrap: str, topic: str) -> int:
-    """Messages in ``topic`` (sum of high watermarks: no transactions, so no control records)."""
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"bench-watermarks-{uuid.uuid4().hex}"})
-    try:
-        return sum(consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)[1]
-                   for p in range(PARTITIONS))
-    finally:
-        consumer.close()
+    create_fresh_topics(bootstrap, specs)
+    return topics
 
 
 # -- the five stages ------------------------------------------------------------------------------
@@ -433,17 +380,10 @@ def profile_rows(profiler: cProfile.Profile, top: int) -> tuple[float, list[tupl
     raw: dict[Any, Any] = stats.stats  # type: ignore[attr-defined]
     rows = []
     for (filename, line, name), (_cc, calls, tottime, cumtime, _callers) in raw.items():
-        where = name if filename == "~" else f"{_short(filename)}:{line}({name})"
+        where = name if filename == "~" else f"{short_filename(filename, _HERE.parent)}:{line}({name})"
         rows.append((where, calls, tottime, cumtime))
     rows.sort(key=lambda r: r[2], reverse=True)
     return sum(r[2] for r in rows), rows[:top]
-
-
-def _short(filename: str) -> str:
-    for marker in ("site-packages/", "/work/main/", "lib/python3"):
-        if marker in filename:
-            return filename.split(marker, 1)[1]
-    return filename
 
 
 def ratio(a: Measurement, b: Measurement) -> float:
@@ -475,7 +415,7 @@ def run_stages(bootstrap: str, topics: Topics, work: Workload, codec: Codec, n: 
             # collection in the consuming stages slower than it is in a service.
             work.messages.clear()
             for topic, expected in ((topics.raw, RAW_REPEATS * n), (topics.events, n)):
-                if (count := message_count(bootstrap, topic)) != expected:
+                if (count := message_count(bootstrap, topic, PARTITIONS)) != expected:
                     raise RuntimeError(f"{topic} holds {count} messages, expected {expected}")
     return results
 
@@ -589,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
         def step(text: str) -> None:
             progress.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {text}", highlight=False)
 
-        bootstrap, broker = resolve_bootstrap(settings)
+        bootstrap, broker, _pid = resolve_bootstrap(settings)
         step(f"broker: {bootstrap} ({broker})")
         codec = default_codec()
         step(f"building {n:,} events over {args.tasks:,} task ids")

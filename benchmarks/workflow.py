@@ -55,15 +55,14 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import orjson
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient
 from rich.console import Console
 from rich.table import Table
 
@@ -75,7 +74,14 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(ROOT))
 
 from agents.orders_client import ServiceProcess  # noqa: E402
-from eventstore.broker import LocalBroker  # noqa: E402
+from benchmarks.shared import (  # noqa: E402
+    create_fresh_topics,
+    delete_topics,
+    message_count,
+    quiet_stderr,
+    resolve_bootstrap,
+    short_filename,
+)
 from eventstore.kafka_config import (  # noqa: E402
     consume_available,
     consumer_config,
@@ -86,7 +92,7 @@ from eventstore.logs import configure_logging  # noqa: E402
 from eventstore.producer import EventProducer  # noqa: E402
 from eventstore.replay import ReplayReader  # noqa: E402
 from eventstore.settings import ConsumerSettings, KafkaSettings  # noqa: E402
-from eventstore.topics import TopicLayout, TopicSpec, ensure_topics  # noqa: E402
+from eventstore.topics import TopicLayout, TopicSpec  # noqa: E402
 from schemas.codec import Codec, default_codec  # noqa: E402
 from schemas.messages import (  # noqa: E402
     MessageIgnored,
@@ -186,32 +192,6 @@ def latency_summary(values_ms: list[float]) -> dict[str, float | int]:
 # -- set-up ---------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def quiet_stderr(log_path: Path) -> Iterator[TextIO]:
-    """Send fd 2 (librdkafka logs) to ``log_path``; yield a stream to the real stderr."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    sys.stderr.flush()
-    saved = os.dup(2)
-    terminal = os.fdopen(os.dup(saved), "w", buffering=1)
-    with open(log_path, "ab") as log:
-        os.dup2(log.fileno(), 2)
-        try:
-            yield terminal
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            terminal.close()
-
-
-def resolve_bootstrap(settings: KafkaSettings) -> tuple[str, str, int | None]:
-    """(bootstrap servers, description, broker pid if local): the configured cluster, else the local broker."""
-    if settings.bootstrap_servers:
-        return settings.bootstrap_servers, "STEPSTREAM_BOOTSTRAP_SERVERS", None
-    info = LocalBroker(settings.home).start()
-    return info.bootstrap_servers, f"local broker (pid {info.pid})", info.pid
-
-
 @dataclass(frozen=True)
 class Topics:
     layout: TopicLayout  # the whole system's
@@ -232,29 +212,7 @@ class Topics:
 
 def create_topics(bootstrap: str, topics: Topics) -> None:
     """Every topic of the run (agent topics too: a deployment has them), once each partition has a leader."""
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    created = ensure_topics(admin, topics.specs(), topics.layout.replication_factor)
-    if sorted(created) != sorted(topics.names):
-        raise RuntimeError(f"expected fresh topics, but only {created} were created")
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        listed = admin.list_topics(timeout=10).topics
-        if all(name in listed and listed[name].error is None and listed[name].partitions
-               and all(p.leader >= 0 for p in listed[name].partitions.values()) for name in topics.names):
-            return
-        time.sleep(0.1)
-    raise RuntimeError("the new topics got no partition leaders within 30s")
-
-
-def delete_topics(bootstrap: str, names: list[str]) -> list[str]:
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    errors = []
-    for name, future in admin.delete_topics(names, operation_timeout=30).items():
-        try:
-            future.result(timeout=30)
-        except Exception as exc:  # reported; the figures are still valid
-            errors.append(f"{name}: {exc}")
-    return errors
+    create_fresh_topics(bootstrap, topics.specs(), topics.layout.replication_factor)
 
 
 def order(task_id: str, i: int) -> SubmitTask:
@@ -473,26 +431,6 @@ class TerminalWatcher(threading.Thread):
             time.sleep(0.01)
 
 
-def wait_for_log(procs: ServiceProcesses, name: str, marker: str, count: int = 1, timeout_s: float = 90.0) -> None:
-    """Until ``name`` logged ``marker`` ``count`` times: consumers own their partitions only after the join."""
-    deadline = time.monotonic() + timeout_s
-    while procs.log(name).count(marker) < count:
-        if not procs.alive(name):
-            raise RuntimeError(f"{name} exited with {procs.procs[name].returncode}:\n{procs.log(name)[-3000:]}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{name} did not log {marker!r} x{count} within {timeout_s}s")
-        time.sleep(0.05)
-
-
-def message_count(bootstrap: str, topic: str, partitions: int) -> int:
-    """Sum of high watermarks. Exact for the inbox: nothing writes it in transactions (no control records)."""
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"bench-watermarks-{uuid.uuid4().hex}"})
-    try:
-        return sum(consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)[1] for p in range(partitions))
-    finally:
-        consumer.close()
-
-
 def store_terminal_count(path: Path) -> int:
     """One COUNT query on the state store (0 while its tables do not exist yet)."""
     if not path.exists():
@@ -545,7 +483,7 @@ def run_scheduler_alone(bootstrap: str, layout: TopicLayout, folder: Path, keys:
     try:
         procs.service("scheduler", "scheduler")
         procs.wait_started("scheduler")
-        wait_for_log(procs, "scheduler", "partition restored", layout.partitions)
+        procs.wait_started("scheduler", "partition restored", count=layout.partitions, timeout_s=90.0)
         watcher.start()
         pid = procs.procs["scheduler"].pid
         producer = Producer(producer_config(bootstrap))
@@ -623,10 +561,10 @@ def run_system(bootstrap: str, topics: Topics, tmp: Path, n: int, warmup: int, b
         for name in SERVICES:
             procs.wait_started(name)
         # Ready means: every consumer owns its partitions (the scheduler restored each), the supervisor leads.
-        wait_for_log(procs, "scheduler", "partition restored", layout.partitions)
+        procs.wait_started("scheduler", "partition restored", count=layout.partitions, timeout_s=90.0)
         for name in ("projector", *AGENTS):
-            wait_for_log(procs, name, "partitions assigned")
-        wait_for_log(procs, "supervisor", "leadership acquired")
+            procs.wait_started(name, "partitions assigned", timeout_s=90.0)
+        procs.wait_started("supervisor", "leadership acquired", timeout_s=90.0)
         step(f"services up: order service {service.base_url}, {', '.join(SERVICES)}; logs in {tmp / 'logs'}")
         watcher.start()
         producer = EventProducer(bootstrap)
@@ -742,7 +680,7 @@ def profile_table(path: Path, top: int = 25) -> tuple[Table, dict[str, Any]]:
     raw: dict[Any, Any] = stats.stats  # type: ignore[attr-defined]
     rows = []
     for (filename, line, name), (_cc, calls, own, cum, _callers) in raw.items():
-        where = name if filename == "~" else f"{_short(filename)}:{line}({name})"
+        where = name if filename == "~" else f"{short_filename(filename, ROOT)}:{line}({name})"
         rows.append((where, calls, own, cum))
     total = sum(r[2] for r in rows)
     rows.sort(key=lambda r: r[2], reverse=True)
@@ -755,13 +693,6 @@ def profile_table(path: Path, top: int = 25) -> tuple[Table, dict[str, Any]]:
     return table, {"total_s": round(total, 3),
                    "top": [{"function": w, "calls": c, "own_s": round(o, 3), "cum_s": round(cu, 3)}
                            for w, c, o, cu in rows[:top]]}
-
-
-def _short(filename: str) -> str:
-    for marker in ("site-packages/", f"{ROOT}/", "lib/python3"):
-        if marker in filename:
-            return filename.split(marker, 1)[1]
-    return filename
 
 
 def results_table(system: SystemRun, raw: LoopRun, raw_runs: list[LoopRun], alone: SoloRun, events: dict[str, Any],

@@ -37,14 +37,16 @@ class ServiceProcesses:
         """Start a ``stepstream run ...`` service."""
         return self.start(name, "stepstream", "run", *args)
 
-    def wait_started(self, name: str, marker: str = "service starting", timeout_s: float = 60.0) -> None:
-        """Wait until the process logged ``marker``: from then on it handles SIGTERM by draining."""
+    def wait_started(self, name: str, marker: str = "service starting", timeout_s: float = 60.0,
+                     count: int = 1) -> None:
+        """Wait until the process logged ``marker`` (``count`` times): from the first "service starting" on,
+        it handles SIGTERM by draining; later markers say it owns its partitions."""
         deadline = time.monotonic() + timeout_s
-        while marker not in self.log(name):
+        while self.log(name).count(marker) < count:
             if not self.alive(name):
                 raise RuntimeError(f"{name} exited with {self.procs[name].returncode}:\n{self.log(name)[-3000:]}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{name} did not start within {timeout_s}s")
+                raise TimeoutError(f"{name} did not log {marker!r} x{count} within {timeout_s}s")
             time.sleep(0.05)
 
     def signal(self, name: str, signum: signal.Signals) -> None:

@@ -68,8 +68,10 @@ StepStatus = Literal[
 ]
 TERMINAL: frozenset[str] = frozenset({"completed", "error", "rejected", "compensated", "compensation_failed"})
 """Task statuses no agent result or recovery can leave: a terminal task only records ignored messages."""
-FINAL: frozenset[str] = frozenset({"completed", "rejected", "compensated"})
-"""Terminal statuses nothing can leave. ``error`` and ``compensation_failed`` wait for an operator."""
+FINAL: frozenset[str] = frozenset({"completed", "compensated"})
+"""Terminal statuses nothing can leave. ``error`` and ``compensation_failed`` wait for an operator;
+``rejected`` is left by a repeat of the same submission once admission control has room (a client told
+to retry later retries under the same task id, its idempotency key)."""
 
 Command: TypeAlias = SubmitTask | StepResult | RecoverStep | OperatorCommand
 _RECORDS = (MessageIgnored, OperatorAlert, OperatorCommandRefused)
@@ -279,7 +281,7 @@ def decide(
     if isinstance(command, SubmitTask):
         if state is None:
             return _admit(command, registry, now, in_flight, limits)
-        return _resubmit(command, state, now)
+        return _resubmit(command, state, registry, now, in_flight, limits)
     if state is None:
         return Decision((), dead_letter=f"unknown task {command.task_id!r}")
     builder = _Builder.on(command, state, now)
@@ -355,14 +357,17 @@ class _Builder:
 
 
 def _admit(command: SubmitTask, registry: WorkflowRegistry, now: datetime, in_flight: int,
-           limits: Limits) -> Decision:
-    """A first submission: pin the workflow version, then reject (past the bound) or accept and start."""
+           limits: Limits, rejected: TaskState | None = None) -> Decision:
+    """A first submission, or the repeat of a ``rejected`` one: pin the workflow version, then reject
+    (past the bound) or accept and start."""
+    version = command.workflow_version if rejected is None else rejected.workflow_version  # pinned already
     try:
-        workflow = registry.get(command.workflow, command.workflow_version)
+        workflow = registry.get(command.workflow, version)
     except WorkflowNotFoundError as exc:
-        wanted = "latest" if command.workflow_version is None else f"v{command.workflow_version}"
+        wanted = "latest" if version is None else f"v{version}"
         return Decision((), dead_letter=f"unknown workflow {command.workflow!r} ({wanted}): {exc}")
-    builder = _Builder(command, None, now, workflow.name, workflow.version)
+    builder = (_Builder(command, None, now, workflow.name, workflow.version) if rejected is None
+               else _Builder.on(command, rejected, now))
     submission = {
         "input_digest": input_digest(workflow.name, workflow.version, command.input),
         "submitter": command.submitter,
@@ -377,15 +382,20 @@ def _admit(command: SubmitTask, registry: WorkflowRegistry, now: datetime, in_fl
     return builder.decision()
 
 
-def _resubmit(command: SubmitTask, state: TaskState, now: datetime) -> Decision:
+def _resubmit(command: SubmitTask, state: TaskState, registry: WorkflowRegistry, now: datetime, in_flight: int,
+              limits: Limits) -> Decision:
     """The same task id again: a no-op if it is the same submission, else a contradiction for the DLQ.
 
     Nothing of the existing task is overwritten either way, whatever its status; the contradiction is
-    recorded on the task as an operator alert so it shows where operators look for the task.
+    recorded on the task as an operator alert so it shows where operators look for the task. The one
+    exception is a task that admission control rejected: the same submission again asks for admission
+    again (and is rejected again, visibly, while the system is still full).
     """
     version = state.workflow_version if command.workflow_version is None else command.workflow_version
     digest = input_digest(command.workflow, version, command.input)
     if command.workflow == state.workflow and digest == state.input_digest:
+        if state.status == "rejected":
+            return _admit(command, registry, now, in_flight, limits, rejected=state)
         return Decision(())
     reason = (
         f"contradictory duplicate submission of task {state.task_id!r}: {command.workflow!r} v{version} "
@@ -788,7 +798,7 @@ def evolve(state: TaskState | None, event: Event) -> TaskState:
             f"the event names {event.workflow!r} v{event.workflow_version}"
         )
     if isinstance(event, TaskAccepted | TaskRejected):
-        raise InvalidTransition(f"task {state.task_id!r} already exists: {type(event).__name__} again")
+        return _readmitted(state, event)
     command_id = getattr(event, "command_id", None)
     if command_id is not None:
         if command_id in state.commands:
@@ -900,6 +910,19 @@ def _created(event: Event) -> TaskState:
         steps=(),
         current_step=None,
     )
+
+
+def _readmitted(state: TaskState, event: TaskAccepted | TaskRejected) -> TaskState:
+    """A rejected task asking for admission again: accepted now, or rejected once more."""
+    if state.status != "rejected":
+        raise InvalidTransition(f"task {state.task_id!r} already exists: {type(event).__name__} again")
+    if event.input_digest != state.input_digest:
+        raise InvalidTransition(f"task {state.task_id!r} was rejected with input digest "
+                                f"{state.input_digest[:12]}: {type(event).__name__} names another submission")
+    if isinstance(event, TaskRejected):
+        return replace(state, sequence=event.sequence)
+    return replace(state, status="accepted", sequence=event.sequence, input=event.input,
+                   submitter=event.submitter, reply_topic=event.reply_topic)
 
 
 def _step_started(state: TaskState, event: StepStarted) -> TaskState:

@@ -245,9 +245,20 @@ def test_a_repeat_asking_for_the_latest_version_matches_the_version_the_task_was
     assert run(submit("t2", version=2), pinned_to_latest)[0] == Decision(())
 
 
-def test_a_repeat_of_a_finished_or_rejected_submission_changes_nothing() -> None:
-    _, rejected = run(submit(), None, in_flight=1, limits=Limits(max_in_flight=1))
-    assert run(submit(), rejected)[0] == Decision(())
+def test_a_repeat_of_a_rejected_submission_is_admitted_once_there_is_room() -> None:
+    full = Limits(max_in_flight=1)
+    _, rejected = run(submit(), None, in_flight=1, limits=full)
+    decision, still_rejected = run(submit(), rejected, in_flight=1, limits=full)
+    assert types(decision) == [TaskRejected] and decision.dead_letter is None
+    assert still_rejected is not None and still_rejected.status == "rejected"
+    assert still_rejected.sequence == 2
+    decision, admitted = run(submit(), still_rejected, in_flight=0, limits=full)
+    assert types(decision) == [TaskAccepted, StepStarted]
+    assert [e.sequence for e in decision.events] == [3, 4]
+    assert admitted is not None and admitted.status == "running" and admitted.input == {"order": 42}
+
+
+def test_a_repeat_of_a_finished_submission_changes_nothing() -> None:
     completed = started(workflow="one-shot")
     completed = apply(ok(completed), completed)
     assert completed.status == "completed"
@@ -549,7 +560,7 @@ def test_decide_refuses_a_naive_clock_and_the_state_of_another_task() -> None:
 
 def test_terminal_statuses_and_the_final_ones_no_operator_can_leave() -> None:
     assert frozenset({"completed", "error", "rejected", "compensated", "compensation_failed"}) == TERMINAL
-    assert frozenset({"completed", "rejected", "compensated"}) == FINAL
+    assert frozenset({"completed", "compensated"}) == FINAL
 
 
 # ---- evolve and fold ----------------------------------------------------------------------------

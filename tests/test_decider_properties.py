@@ -47,6 +47,8 @@ from schemas.messages import (
     StepStarted,
     StepSucceeded,
     SubmitTask,
+    TaskAccepted,
+    TaskRejected,
 )
 
 UNDO = Compensation("undo", timeout_s=3, attempt_budget=3, calls_per_attempt=2)
@@ -195,8 +197,14 @@ class DeciderMachine(RuleBasedStateMachine):
         if decision.dead_letter is not None:
             contradiction = isinstance(command, SubmitTask) and before is not None
             assert [type(e) for e in events] == ([OperatorAlert] if contradiction else [])
-        if before is not None and (before.status in FINAL or (before.is_terminal
-                                                              and not isinstance(command, OperatorCommand))):
+        readmission = (before is not None and before.status == "rejected" and isinstance(command, SubmitTask)
+                       and decision.dead_letter is None)
+        if readmission:
+            # A rejected submission repeated asks for admission again: rejected once more, or admitted.
+            assert after is not None and [type(e) for e in events][:1] in ([TaskRejected], [TaskAccepted])
+            assert after.status == ("rejected" if isinstance(events[0], TaskRejected) else "running")
+        elif before is not None and (before.status in FINAL or (before.is_terminal
+                                                                and not isinstance(command, OperatorCommand))):
             # Terminal states are terminal: only an operator's command leaves error or compensation_failed.
             assert all(isinstance(e, MessageIgnored | OperatorAlert | OperatorCommandRefused) for e in events)
             assert after is not None and after.status == before.status

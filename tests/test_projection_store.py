@@ -12,7 +12,7 @@ import pytest
 from projections.migrations import MIGRATIONS, statements
 from projections.settings import StoreSpec
 from projections.store import Positioned, Store
-from schemas.messages import Event, StepStarted, TaskAccepted
+from schemas.messages import Event, StepStarted, TaskAccepted, TaskRejected
 from tests.histories import histories
 
 TOPIC = "t.events"
@@ -48,7 +48,7 @@ def test_a_batch_is_applied_with_its_offsets_and_records_below_them_are_skipped(
 def test_a_record_a_constraint_refuses_is_recorded_once_and_the_rest_of_its_batch_applies(store: Store) -> None:
     accepted = TaskAccepted(task_id="dup", sequence=1, workflow="orders", workflow_version=1, causation_id="c",
                             input={}, input_digest="d")
-    clash = accepted.model_copy(update={"sequence": 2, "message_id": "other"})  # a second TaskAccepted
+    clash = accepted.model_copy(update={"message_id": "other"})  # a second event with sequence 1
     events = [accepted, clash, *histories(2, seed=2)]
     result = store.apply_events(TOPIC, positioned(events, partition=1))
     assert (result.applied, result.rejected) == (len(events) - 1, 1)
@@ -57,6 +57,23 @@ def test_a_record_a_constraint_refuses_is_recorded_once_and_the_rest_of_its_batc
     assert (error["partition"], error["event_offset"], error["task_id"]) == (1, 1, "dup")
     assert error["event_type"] == "TaskAccepted"
     assert sum(store.counts_by_status().values()) == 3
+
+
+def test_a_rejected_task_admitted_on_a_later_submission_keeps_one_row_and_its_creation_time(store: Store) -> None:
+    rejected = TaskRejected(task_id="r", sequence=1, workflow="orders", workflow_version=1, causation_id="c",
+                            reason="admission control: full", input_digest="d",
+                            occurred_at=datetime(2026, 1, 1, tzinfo=UTC))
+    again = rejected.model_copy(update={"sequence": 2, "message_id": "m2",
+                                        "occurred_at": datetime(2026, 1, 1, 0, 1, tzinfo=UTC)})
+    admitted = TaskAccepted(task_id="r", sequence=3, workflow="orders", workflow_version=1, causation_id="c3",
+                            input={"n": 1}, input_digest="d", occurred_at=datetime(2026, 1, 1, 0, 2, tzinfo=UTC))
+    result = store.apply_events(TOPIC, positioned([rejected, again, admitted]))
+    assert (result.applied, result.rejected) == (3, 0)
+    task = store.task("r")
+    assert task is not None and (task["status"], task["error"]) == ("accepted", None)
+    assert task["created_at"] == int(rejected.occurred_at.timestamp() * 1000)
+    assert [h["sequence"] for h in store.history("r")] == [1, 2, 3]
+    assert store.counts_by_status() == {"accepted": 1}
 
 
 def _expired_fixture(store: Store, tasks: int) -> tuple[datetime, int]:

@@ -12,14 +12,17 @@ import base64
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import time
 import uuid
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from confluent_kafka.admin import AdminClient
 
@@ -30,6 +33,8 @@ LOG4J_VERSION = "2.25.3"
 SLF4J_VERSION = "2.0.17"
 READY_TIMEOUT_S = 90.0
 STOP_TIMEOUT_S = 30.0
+STANDARD_AUTHORIZER = "org.apache.kafka.metadata.authorizer.StandardAuthorizer"
+_SASL_USER = re.compile(r"^[A-Za-z0-9._-]+$")
 
 _POM = f"""<project xmlns="http://maven.apache.org/POM/4.0.0">
   <modelVersion>4.0.0</modelVersion>
@@ -125,11 +130,33 @@ class BrokerInfo:
 
 
 class LocalBroker:
-    """Start, stop and inspect the broker whose data lives in ``home/broker``."""
+    """Start, stop and inspect the broker whose data lives in ``home/broker``.
 
-    def __init__(self, home: Path, port: int | None = None) -> None:
+    With ``sasl_users`` (name -> password) both listeners speak SASL_PLAINTEXT with the PLAIN mechanism (the
+    users are the JAAS config in ``server.properties``) and the StandardAuthorizer denies whatever no ACL
+    allows. ``super_users`` bypass the ACLs; the first of them is the broker's own identity (inter-broker
+    and controller connections) and the one the readiness check logs in as. Without users the broker is
+    PLAINTEXT with no authorizer.
+    """
+
+    def __init__(self, home: Path, port: int | None = None, *, sasl_users: Mapping[str, str] | None = None,
+                 super_users: Sequence[str] = ()) -> None:
         self.root = Path(home).resolve() / "broker"
         self.requested_port = port
+        self.sasl_users = dict(sasl_users or {})
+        self.super_users = list(super_users)
+        if self.sasl_users:
+            _check_sasl_users(self.sasl_users, self.super_users)
+        elif self.super_users:
+            raise BrokerError("super_users need sasl_users: a PLAINTEXT broker has no authorizer")
+
+    def sasl_client_config(self, user: str | None = None) -> dict[str, Any]:
+        """librdkafka properties to log in as ``user`` (default: the first super user); empty without SASL."""
+        if not self.sasl_users:
+            return {}
+        name = user or self.super_users[0]
+        return {"security.protocol": "SASL_PLAINTEXT", "sasl.mechanism": "PLAIN", "sasl.username": name,
+                "sasl.password": self.sasl_users[name]}
 
     @property
     def data_dir(self) -> Path:
@@ -160,7 +187,7 @@ class LocalBroker:
         """Idempotent: a broker already running here is returned as it is."""
         running = self.status()
         if running is not None:
-            _wait_ready(running, proc=None)
+            _wait_ready(running, proc=None, login=self.sasl_client_config())
             return running
         libs = fetch_jars()
         port, controller_port = self._ports()
@@ -180,7 +207,7 @@ class LocalBroker:
         info = BrokerInfo(pid=proc.pid, port=port)
         self._state_file.write_text(json.dumps({"pid": proc.pid, "port": port}))
         try:
-            _wait_ready(info, proc)
+            _wait_ready(info, proc, login=self.sasl_client_config())
         except BrokerError:
             self.stop()
             raise
@@ -255,8 +282,35 @@ class LocalBroker:
             "group.initial.rebalance.delay.ms": 0,
             "log.retention.hours": -1,
         }
+        if self.sasl_users:
+            settings.update(self._sasl_settings(port, controller_port))
         self._properties.write_text("".join(f"{k}={v}\n" for k, v in settings.items()))
         (self.root / "log4j2.properties").write_text(_LOG4J2.format(log_file=self.log_file))
+
+    def _sasl_settings(self, port: int, controller_port: int) -> dict[str, object]:
+        """SASL_PLAINTEXT/PLAIN on both listeners, the KRaft StandardAuthorizer, deny without an ACL.
+
+        The controller listener authenticates too: left PLAINTEXT, its ANONYMOUS principal would have to be
+        a super user, and anyone reaching the controller port could then change ACLs.
+        """
+        broker_user = self.super_users[0]
+        jaas = ("org.apache.kafka.common.security.plain.PlainLoginModule required "
+                f'username="{broker_user}" password="{self.sasl_users[broker_user]}" '
+                + " ".join(f'user_{name}="{password}"' for name, password in self.sasl_users.items()) + ";")
+        return {
+            "listeners": f"SASL_PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}",
+            "advertised.listeners": f"SASL_PLAINTEXT://127.0.0.1:{port}",
+            "inter.broker.listener.name": "SASL_PLAINTEXT",
+            "listener.security.protocol.map": "CONTROLLER:SASL_PLAINTEXT,SASL_PLAINTEXT:SASL_PLAINTEXT",
+            "sasl.enabled.mechanisms": "PLAIN",
+            "sasl.mechanism.inter.broker.protocol": "PLAIN",
+            "sasl.mechanism.controller.protocol": "PLAIN",
+            "listener.name.sasl_plaintext.plain.sasl.jaas.config": jaas,
+            "listener.name.controller.plain.sasl.jaas.config": jaas,
+            "authorizer.class.name": STANDARD_AUTHORIZER,
+            "allow.everyone.if.no.acl.found": "false",
+            "super.users": ";".join(f"User:{name}" for name in self.super_users),
+        }
 
     def _format(self, classpath: str) -> None:
         cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
@@ -276,10 +330,26 @@ def _reap(pid: int) -> None:
         os.waitpid(pid, os.WNOHANG)
 
 
-def _wait_ready(info: BrokerInfo, proc: subprocess.Popen[bytes] | None) -> None:
+def _check_sasl_users(users: Mapping[str, str], super_users: Sequence[str]) -> None:
+    """Names and passwords go into a quoted JAAS string in a properties file: keep them unambiguous there."""
+    for name, password in users.items():
+        if not _SASL_USER.match(name):
+            raise BrokerError(f"SASL user name {name!r}: letters, digits, '.', '_' and '-' only")
+        if not password or any(c in password for c in '"\\') or not password.isprintable():
+            raise BrokerError(f"SASL password of {name!r}: printable, without quotes or backslashes")
+    if not super_users:
+        raise BrokerError("a SASL broker needs a super user (the broker's own identity and the admin)")
+    unknown = [name for name in super_users if name not in users]
+    if unknown:
+        raise BrokerError(f"super users without a password in sasl_users: {', '.join(unknown)}")
+
+
+def _wait_ready(info: BrokerInfo, proc: subprocess.Popen[bytes] | None,
+                login: Mapping[str, Any] | None = None) -> None:
     """Ready means the admin API answers with this broker in the metadata, not that time has passed."""
     admin = AdminClient(
-        {"bootstrap.servers": info.bootstrap_servers, "socket.connection.setup.timeout.ms": 2000, "log_level": 0}
+        {"bootstrap.servers": info.bootstrap_servers, "socket.connection.setup.timeout.ms": 2000, "log_level": 0,
+         **(login or {})}
     )
     deadline = time.monotonic() + READY_TIMEOUT_S
     last_error: Exception | None = None

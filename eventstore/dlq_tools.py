@@ -29,7 +29,7 @@ from rich.table import Table
 
 from eventstore.dlq import HEADER_PREFIX, read_dlq_headers
 from eventstore.errors import LogReadError, StepstreamError
-from eventstore.kafka_config import producer_config
+from eventstore.kafka_config import connection_config, producer_config
 from eventstore.replay import LogRange
 from eventstore.settings import KafkaSettings
 from eventstore.topics import TopicLayout
@@ -60,7 +60,7 @@ def parse_entry(text: str) -> tuple[int, int]:
 
 def offsets_at(bootstrap: str, topic: str, when: datetime) -> dict[int, int]:
     """Per partition, the first offset whose record is at or after ``when`` (the end offset if none)."""
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"stepstream-times-{uuid.uuid4().hex}"})
+    consumer = Consumer({**connection_config(bootstrap), "group.id": f"stepstream-times-{uuid.uuid4().hex}"})
     try:
         metadata = consumer.list_topics(topic, timeout=30).topics[topic]
         if metadata.error is not None:

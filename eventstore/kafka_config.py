@@ -4,7 +4,31 @@ from __future__ import annotations
 
 from typing import Any
 
-from eventstore.settings import ConsumerSettings
+from pydantic import ValidationError
+
+from eventstore.errors import StepstreamError
+from eventstore.settings import ConsumerSettings, KafkaSecuritySettings
+
+
+class KafkaSecurityError(StepstreamError, ValueError):
+    """The ``STEPSTREAM_KAFKA_*`` settings are incomplete or contradict each other; the message names them."""
+
+
+def connection_config(bootstrap: str, security: KafkaSecuritySettings | None = None) -> dict[str, Any]:
+    """Where the cluster is and how to authenticate: the base of every Kafka client the product builds.
+
+    The security settings come from ``STEPSTREAM_KAFKA_*`` (read at each call, so every client of a process
+    sees the same environment); a missing or contradictory one raises KafkaSecurityError naming the variable.
+    """
+    if security is None:
+        try:
+            security = KafkaSecuritySettings()
+        except ValidationError as exc:
+            problems = "; ".join(
+                (f"STEPSTREAM_KAFKA_{str(error['loc'][0]).upper()}: " if error["loc"] else "")
+                + str(error["msg"]).removeprefix("Value error, ") for error in exc.errors())
+            raise KafkaSecurityError(f"Kafka security settings: {problems}") from None
+    return {"bootstrap.servers": bootstrap, **security.client_config()}
 
 
 def producer_config(bootstrap: str, **extra: Any) -> dict[str, Any]:
@@ -14,7 +38,7 @@ def producer_config(bootstrap: str, **extra: Any) -> dict[str, Any]:
     (Python, Java, Kafka Connect) produced it, so inbox commands and events of a task stay together.
     """
     return {
-        "bootstrap.servers": bootstrap,
+        **connection_config(bootstrap),
         "partitioner": "murmur2_random",
         "enable.idempotence": True,
         "acks": "all",
@@ -35,7 +59,7 @@ def transactional_config(bootstrap: str, transactional_id: str, **extra: Any) ->
 def consumer_config(bootstrap: str, group_id: str, settings: ConsumerSettings, **extra: Any) -> dict[str, Any]:
     """Offsets are stored by the runtime only after the work for a message is done."""
     return {
-        "bootstrap.servers": bootstrap,
+        **connection_config(bootstrap),
         "group.id": group_id,
         "enable.auto.commit": True,
         "enable.auto.offset.store": False,

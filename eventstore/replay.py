@@ -15,7 +15,7 @@ from confluent_kafka import Consumer, KafkaError, TopicPartition
 from confluent_kafka import Message as KafkaMessage
 
 from eventstore.errors import LogReadError
-from eventstore.kafka_config import consume_available
+from eventstore.kafka_config import connection_config, consume_available
 from eventstore.runtime import Record
 from schemas.codec import Codec, default_codec
 from schemas.errors import DecodeError
@@ -47,7 +47,7 @@ class LogRange:
         self.topic = topic
         self.batch_size = batch_size
         self._consumer = Consumer({
-            "bootstrap.servers": bootstrap,
+            **connection_config(bootstrap),
             "group.id": f"stepstream-range-{uuid.uuid4().hex}",
             "enable.auto.commit": False,
             "enable.partition.eof": True,

@@ -6,8 +6,9 @@ Frozen so that a running service cannot drift from the configuration it logged a
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -41,6 +42,59 @@ class KafkaSettings(BaseSettings):
                 "is not running: start it with `stepstream broker start`"
             )
         return running.bootstrap_servers
+
+
+class KafkaSecuritySettings(BaseSettings):
+    """How every Kafka client of this process authenticates (``STEPSTREAM_KAFKA_*``); see docs/acls.md.
+
+    PLAINTEXT (the default) adds nothing to a client's configuration. A SASL protocol needs a mechanism, a
+    user name and a password; SASL settings under a protocol without SASL are refused rather than ignored,
+    so a forgotten ``STEPSTREAM_KAFKA_SECURITY_PROTOCOL`` cannot silently connect unauthenticated.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="STEPSTREAM_KAFKA_", frozen=True, extra="ignore")
+
+    security_protocol: Literal["PLAINTEXT", "SASL_PLAINTEXT", "SASL_SSL", "SSL"] = "PLAINTEXT"
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
+    sasl_username: str | None = None
+    sasl_password: SecretStr | None = None
+    ssl_ca_location: Path | None = Field(default=None, description="CA bundle (PEM) that signed the brokers' certs")
+
+    @field_validator("security_protocol", "sasl_mechanism", mode="before")
+    @classmethod
+    def _upper(cls, value: object) -> object:
+        return value.upper() if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> KafkaSecuritySettings:
+        protocol = self.security_protocol
+        sasl = protocol.startswith("SASL_")
+        given = {"STEPSTREAM_KAFKA_SASL_MECHANISM": self.sasl_mechanism,
+                 "STEPSTREAM_KAFKA_SASL_USERNAME": self.sasl_username,
+                 "STEPSTREAM_KAFKA_SASL_PASSWORD": self.sasl_password}
+        for variable, value in given.items():
+            if sasl and not value:
+                raise ValueError(f"{variable} is required when STEPSTREAM_KAFKA_SECURITY_PROTOCOL is {protocol}")
+            if not sasl and value:
+                raise ValueError(f"{variable} is set but STEPSTREAM_KAFKA_SECURITY_PROTOCOL is {protocol}: "
+                                 "use SASL_PLAINTEXT or SASL_SSL")
+        if self.ssl_ca_location is not None and not protocol.endswith("SSL"):
+            raise ValueError(f"STEPSTREAM_KAFKA_SSL_CA_LOCATION is set but STEPSTREAM_KAFKA_SECURITY_PROTOCOL is "
+                             f"{protocol}: use SSL or SASL_SSL")
+        return self
+
+    def client_config(self) -> dict[str, Any]:
+        """The librdkafka properties; empty for PLAINTEXT, so such clients are configured as before."""
+        if self.security_protocol == "PLAINTEXT":
+            return {}
+        config: dict[str, Any] = {"security.protocol": self.security_protocol}
+        if self.sasl_mechanism is not None:
+            config["sasl.mechanism"] = self.sasl_mechanism
+            config["sasl.username"] = self.sasl_username
+            config["sasl.password"] = self.sasl_password.get_secret_value() if self.sasl_password else ""
+        if self.ssl_ca_location is not None:
+            config["ssl.ca.location"] = str(self.ssl_ca_location)
+        return config
 
 
 class ConsumerSettings(BaseSettings):

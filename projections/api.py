@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import base64
 import binascii
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime, timedelta
 from enum import Enum
 from pathlib import Path
@@ -19,7 +19,7 @@ from typing import Annotated, Any
 
 import orjson
 import structlog
-from fastapi import FastAPI, HTTPException, Query
+from fastapi import APIRouter, FastAPI, HTTPException, Query
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, Response
 from fastapi.staticfiles import StaticFiles
@@ -34,6 +34,7 @@ from projections.store import Store
 log = structlog.get_logger("stepstream.api")
 DASHBOARD = Path(__file__).parent / "dashboard"
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+MAX_INT64 = 2**63 - 1  # what both stores' integer columns hold: larger values are refused with a 422
 
 
 class TaskState(str, Enum):
@@ -68,7 +69,8 @@ def decode_cursor(cursor: str | None, types: tuple[type, ...]) -> tuple[Any, ...
     except (binascii.Error, ValueError) as exc:
         raise _invalid("cursor", "not a cursor this API returned", cursor) from exc
     if (not isinstance(values, list) or len(values) != len(types)
-            or not all(isinstance(v, t) and not isinstance(v, bool) for v, t in zip(values, types, strict=True))):
+            or not all(isinstance(v, t) and not isinstance(v, bool) for v, t in zip(values, types, strict=True))
+            or any(isinstance(v, int) and not -MAX_INT64 <= v <= MAX_INT64 for v in values)):
         raise _invalid("cursor", "not a cursor this API returned", cursor)
     return tuple(values)
 
@@ -121,10 +123,14 @@ class DashboardCollector(Collector):
         yield projection
 
 
-def create_app(store: Store, layout: TopicLayout, lag: LagReader | None = None) -> FastAPI:
-    """The API over ``store``. ``lag`` reads the broker (None: lag endpoints answer 503)."""
+def create_app(store: Store, layout: TopicLayout, lag: LagReader | None = None,
+               routers: Sequence[APIRouter] = ()) -> FastAPI:
+    """The API over ``store``. ``lag`` reads the broker (None: lag endpoints answer 503); ``routers`` add
+    endpoints served by the same process (the write side: ``stepstream.task_api``)."""
     app = FastAPI(title="stepstream", version="1", summary="Dashboards over the stepstream state store",
                   description=__doc__)
+    for router in routers:
+        app.include_router(router)
     topics = [layout.events, layout.dlq]
     metrics = CollectorRegistry(auto_describe=False)
     metrics.register(DashboardCollector(store, lag, topics))
@@ -147,7 +153,7 @@ def create_app(store: Store, layout: TopicLayout, lag: LagReader | None = None) 
                             until_ms=until_ms, before=(before[0], before[1]) if before else None, limit=limit)
         return _page(items, limit, "created_at", "task_id")
 
-    @app.get("/api/tasks/{task_id}", tags=["tasks"])
+    @app.get("/api/tasks/{task_id}", tags=["tasks"], responses={404: {"description": "no such task in the store"}})
     def task(task_id: str) -> dict[str, Any]:
         """One task, its steps, and its full timeline (every event, decoded)."""
         found = store.task(task_id)
@@ -174,7 +180,7 @@ def create_app(store: Store, layout: TopicLayout, lag: LagReader | None = None) 
         return {"items": store.failed_steps(limit)}
 
     @app.get("/api/alerts", tags=["operators"])
-    def alerts(limit: Limit = 50, before_id: Annotated[int | None, Query(ge=1)] = None) -> dict[str, Any]:
+    def alerts(limit: Limit = 50, before_id: Annotated[int | None, Query(ge=1, le=MAX_INT64)] = None) -> dict[str, Any]:
         """Operator alerts, most recent first; ``before_id`` pages back."""
         return {"items": store.alerts(limit, before_id)}
 
@@ -194,7 +200,7 @@ def create_app(store: Store, layout: TopicLayout, lag: LagReader | None = None) 
         by_kind = store.dlq_depth()
         return {"depth": sum(by_kind.values()), "by_kind": by_kind}
 
-    @app.get("/api/lag", tags=["operators"])
+    @app.get("/api/lag", tags=["operators"], responses={503: {"description": "the broker did not answer"}})
     def consumer_lag() -> dict[str, Any]:
         """Lag per consumer group and partition, and the state store's own, against the last stable offset."""
         if lag is None:

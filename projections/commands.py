@@ -10,7 +10,7 @@ import argparse
 import socket
 import sys
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from rich.console import Console
@@ -31,6 +31,11 @@ from projections.rebuild import (
     verify_stores,
 )
 from projections.settings import ApiSettings, StoreSettings, StoreSpec
+
+if TYPE_CHECKING:
+    from projections.lag import LagReader
+    from projections.store import Store
+    from stepstream.task_api import TaskWriter
 
 
 class UsageError(StepstreamError):
@@ -141,6 +146,7 @@ def serve_api(*, host: str | None, port: int | None) -> int:
 
     from projections.api import create_app
     from projections.lag import LagReader
+    from stepstream.task_api import write_router
 
     settings = ApiSettings()
     observability = ObservabilitySettings()
@@ -153,6 +159,7 @@ def serve_api(*, host: str | None, port: int | None) -> int:
         print(f"stepstream: lag is not measured: {exc}", file=sys.stderr)
         lag = None
     store = StoreSettings().open(kafka.home)
+    writer = _task_writer(kafka, layout, store, lag, settings) if lag is not None else None
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -165,12 +172,27 @@ def serve_api(*, host: str | None, port: int | None) -> int:
     bound_host, bound_port = listener.getsockname()[:2]
     print(f"api listening on http://{bound_host}:{bound_port} (store {store.describe()})", file=sys.stderr,
           flush=True)
-    server = uvicorn.Server(uvicorn.Config(create_app(store, layout, lag), log_level="warning", access_log=False))
+    routers = [] if writer is None else [write_router(writer, settings)]
+    server = uvicorn.Server(uvicorn.Config(create_app(store, layout, lag, routers), log_level="warning",
+                                           access_log=False))
     try:
         server.run(sockets=[listener])
     finally:
+        if writer is not None:
+            writer.close()
         store.close()
     return 0
+
+
+def _task_writer(kafka: KafkaSettings, layout: TopicLayout, store: Store, lag: LagReader,
+                 settings: ApiSettings) -> TaskWriter:
+    """The write side, checking submissions against the workflows the scheduler runs (same setting)."""
+    from scheduler.settings import SchedulerSettings
+    from stepstream.task_api import GlobalAdmission, TaskWriter
+
+    admission = GlobalAdmission(store, lag, layout, settings.max_in_flight, settings.admission_refresh_s)
+    return TaskWriter(bootstrap=kafka.resolved_bootstrap(), layout=layout, store=store,
+                      registry=SchedulerSettings().load_registry(), admission=admission, settings=settings)
 
 
 def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

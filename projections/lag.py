@@ -25,6 +25,8 @@ from typing import Any
 from confluent_kafka import ConsumerGroupTopicPartitions, IsolationLevel, TopicPartition
 from confluent_kafka.admin import AdminClient, OffsetSpec
 
+from eventstore.kafka_config import connection_config
+
 PROJECTION = "projection store"  # the "group" of the store's own offsets
 
 
@@ -46,7 +48,7 @@ class LagReader:
         self.prefix = prefix
         self.cache_s = cache_s
         self.timeout_s = timeout_s
-        self._admin = AdminClient({"bootstrap.servers": bootstrap})
+        self._admin = AdminClient(connection_config(bootstrap))
         self._lock = threading.Lock()
         self._cached: tuple[float, list[PartitionLag]] | None = None
 

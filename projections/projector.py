@@ -25,7 +25,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
 from eventstore.dlq_tools import DeadLetter
 from eventstore.errors import PoisonMessageError
-from eventstore.kafka_config import consume_available
+from eventstore.kafka_config import connection_config, consume_available
 from eventstore.producer import EventProducer
 from eventstore.runtime import ConsumerRuntime, Record, backoff_delay, is_retryable
 from eventstore.settings import ConsumerSettings, KafkaSettings
@@ -102,7 +102,7 @@ class DlqFollower:
 
     def run(self) -> None:
         consumer = Consumer({
-            "bootstrap.servers": self.bootstrap,
+            **connection_config(self.bootstrap),
             "group.id": f"stepstream-dlq-follower-{uuid.uuid4().hex}",  # assigned, never subscribed: no group
             "enable.auto.commit": False,
             "isolation.level": "read_committed",

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 if TYPE_CHECKING:
@@ -86,3 +86,14 @@ class ApiSettings(BaseSettings):
 
     host: str = Field(default="127.0.0.1", description="interface to listen on")
     port: int = Field(default=8780, ge=0, le=65535, description="0: any free port (printed at start)")
+    tokens: dict[str, SecretStr] = Field(
+        default_factory=dict, description="bearer tokens of the write endpoints, by who holds them, as JSON "
+                                          '({"shop": "...", "alice": "..."}); none: writes are refused (401)')
+    max_in_flight: int = Field(default=10_000, ge=1, description="global bound: tasks in flight or waiting on "
+                                                                 "inbox past which submissions get 429")
+    retry_after_s: int = Field(default=5, ge=1, description="Retry-After of a 429 or 503")
+    decision_timeout_s: float = Field(default=5.0, gt=0, description="how long a write waits for the "
+                                                                     "scheduler's answer before a 202")
+    delivery_timeout_s: float = Field(default=10.0, gt=0, description="how long a write waits for Kafka's "
+                                                                      "acknowledgement before a 503")
+    admission_refresh_s: float = Field(default=1.0, gt=0, description="how often the global estimate is read")

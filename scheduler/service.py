@@ -23,6 +23,7 @@ from confluent_kafka.admin import AdminClient
 from prometheus_client import Gauge
 
 from eventstore.errors import PoisonMessageError
+from eventstore.kafka_config import connection_config
 from eventstore.producer import EventProducer
 from eventstore.replay import ReplayReader
 from eventstore.runtime import ConsumerRuntime, Record
@@ -92,7 +93,7 @@ class Scheduler:
         # Checked before anything runs: sensitive workflows without a key never start.
         self.sealer = EventSealer(registry, keyring)
         self._tasks: dict[int, dict[str, TaskState]] = {}
-        self._admin = AdminClient({"bootstrap.servers": bootstrap})
+        self._admin = AdminClient(connection_config(bootstrap))
         self._known_topics: set[str] = set()
         # Non-terminal tasks per partition, kept up to date as states change: admission control asks for
         # it on every submission, and counting would walk every task the partition ever held.

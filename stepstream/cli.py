@@ -13,7 +13,7 @@ from eventstore import dlq_tools
 from eventstore.errors import StepstreamError
 from eventstore.settings import KafkaSettings
 from projections import commands as projection_commands
-from stepstream import operator, submit_cli
+from stepstream import operator, outbox, submit_cli
 
 
 def _broker(args: argparse.Namespace) -> int:
@@ -39,11 +39,12 @@ def _broker(args: argparse.Namespace) -> int:
 def _topics(_args: argparse.Namespace) -> int:
     from confluent_kafka.admin import AdminClient
 
+    from eventstore.kafka_config import connection_config
     from eventstore.topics import TopicLayout, ensure_topics
 
     settings = KafkaSettings()
     layout = TopicLayout.from_settings(settings)
-    created = ensure_topics(AdminClient({"bootstrap.servers": settings.resolved_bootstrap()}),
+    created = ensure_topics(AdminClient(connection_config(settings.resolved_bootstrap())),
                             layout.core_specs(), settings.replication_factor)
     print(f"created: {', '.join(created)}" if created else "all topics exist")
     return 0
@@ -106,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     operator.add_parsers(commands)
     projection_commands.add_parsers(commands)
     dlq_tools.add_parsers(commands)
+    outbox.add_parsers(commands)
 
     demo = commands.add_parser("demo", help="submit a batch of orders to a local system with faults on")
     demo.add_argument("--tasks", type=int, default=20)

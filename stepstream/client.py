@@ -13,12 +13,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from confluent_kafka import Consumer
+import orjson
+from confluent_kafka import Consumer, KafkaError
 from confluent_kafka.admin import AdminClient
 from pydantic import ValidationError
 
 from eventstore.errors import StepstreamError
-from eventstore.kafka_config import consume_available
+from eventstore.kafka_config import connection_config, consume_available
 from eventstore.producer import EventProducer
 from eventstore.settings import KafkaSettings
 from eventstore.topics import TopicLayout, TopicSpec, ensure_topics
@@ -26,7 +27,7 @@ from projections.settings import StoreSettings
 from projections.store import SqliteStore, Store
 from schemas.codec import default_codec
 from schemas.errors import DecodeError
-from schemas.messages import StatusUpdate, SubmitTask
+from schemas.messages import OperatorAction, OperatorCommand, StatusUpdate, SubmitTask, new_id
 
 TERMINAL = frozenset({"completed", "error", "rejected", "compensated", "compensation_failed"})
 
@@ -37,10 +38,18 @@ class InvalidSubmission(StepstreamError, ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.reason = message
 
 
 class SubmissionRejected(StepstreamError):
     """Admission control refused the task (the system is at its in-flight bound). Retry later."""
+
+
+class AccessDenied(StepstreamError, PermissionError):
+    """The broker's ACLs do not let this principal read the reply topic (or use its consumer group)."""
+
+
+_DENIED = frozenset({KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError.GROUP_AUTHORIZATION_FAILED})
 
 
 class TaskWaitTimeout(StepstreamError, TimeoutError):
@@ -62,7 +71,7 @@ class Client:
         if submitter is not None:
             if not submitter.replace("-", "").replace("_", "").isalnum():
                 raise InvalidSubmission("submitter", "letters, digits, '-' and '_' only")
-            ensure_topics(AdminClient({"bootstrap.servers": self.bootstrap}),
+            ensure_topics(AdminClient(connection_config(self.bootstrap)),
                           [TopicSpec(self.reply_topic, self.layout.partitions)], self.kafka.replication_factor)
 
     @property
@@ -78,6 +87,19 @@ class Client:
         self._producer.send(self.layout.inbox, command)
         self._producer.flush()
         return command.task_id
+
+    def send_command(self, task_id: str, action: OperatorAction, *, step: str | None = None,
+                     command_id: str | None = None, operator: str | None = None) -> OperatorCommand:
+        """An operator command on ``inbox`` (acks=all). Resend the returned command's ``command_id`` to retry
+        safely: the scheduler answers a command id once. Its answer is recorded on ``events``."""
+        try:
+            command = OperatorCommand(task_id=task_id, command_id=command_id or new_id(), action=action,
+                                      step=step, operator=operator)
+        except ValidationError as exc:
+            raise _invalid(exc) from None
+        self._producer.send(self.layout.inbox, command)
+        self._producer.flush()
+        return command
 
     def status(self, task_id: str) -> dict[str, Any] | None:
         """The task as the projection shows it (None until the projector has seen it)."""
@@ -107,7 +129,7 @@ class Client:
     def updates(self, timeout_s: float = 30.0, idle_s: float | None = None) -> Iterator[StatusUpdate]:
         """Follow this submitter's reply topic from the start; stops at the timeout or after ``idle_s`` quiet."""
         consumer = Consumer({
-            "bootstrap.servers": self.bootstrap,
+            **connection_config(self.bootstrap),
             "group.id": f"{self.layout.prefix}submitter.{self.submitter}.{uuid.uuid4().hex[:8]}",
             "auto.offset.reset": "earliest",
             "enable.auto.commit": False,
@@ -121,6 +143,9 @@ class Client:
             while time.monotonic() < deadline and (idle_s is None or time.monotonic() - last < idle_s):
                 for msg in consume_available(consumer, 100, 0.2):
                     if msg.error() is not None:
+                        if msg.error().code() in _DENIED:
+                            raise AccessDenied(f"reply topic {self.reply_topic}: {msg.error().str()} "
+                                               "(see docs/acls.md)")
                         continue
                     try:
                         update = codec.decode(msg.value())
@@ -152,9 +177,16 @@ def build_submission(workflow: str, input: Any, *, version: int | None = None, t
     if version is not None and version < 1:
         raise InvalidSubmission("version", "must be at least 1 (or omitted for the latest)")
     try:
+        orjson.dumps(input)
+    except orjson.JSONEncodeError as exc:  # integers past 64 bits, keys that are not strings
+        raise InvalidSubmission("input", f"not representable as JSON: {exc}") from None
+    try:
         return SubmitTask(task_id=uuid.uuid4().hex if task_id is None else task_id, workflow=workflow,
                           workflow_version=version, input=input, submitter=submitter, reply_topic=reply_topic)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        field = ".".join(str(part) for part in first["loc"]) or "submission"
-        raise InvalidSubmission(field, first["msg"]) from None
+        raise _invalid(exc) from None
+
+
+def _invalid(exc: ValidationError) -> InvalidSubmission:
+    first = exc.errors()[0]
+    return InvalidSubmission(".".join(str(part) for part in first["loc"]) or "submission", first["msg"])

@@ -27,20 +27,17 @@ from typing import Any, Literal
 
 import orjson
 
-from eventstore.producer import EventProducer
 from eventstore.replay import ReplayReader
-from eventstore.settings import KafkaSettings
-from eventstore.topics import TopicLayout
 from schemas.messages import (
     CompensationRetried,
     CompensationStarted,
     Event,
     OperatorAction,
-    OperatorCommand,
     OperatorCommandRefused,
     StepResubmitted,
     new_id,
 )
+from stepstream.client import Client
 
 EXIT_NOT_FOUND, EXIT_REFUSED, EXIT_TIMEOUT = 3, 6, 124
 _ACTIONS: dict[OperatorAction, str] = {
@@ -137,20 +134,16 @@ def add_parsers(commands: Any) -> None:
 
 
 def _task(args: argparse.Namespace) -> int:
-    kafka = KafkaSettings()
-    layout = TopicLayout.from_settings(kafka)
-    bootstrap = kafka.resolved_bootstrap()
-    command = OperatorCommand(task_id=args.task_id, command_id=args.command_id or new_id(), action=args.action,
-                              step=getattr(args, "step", None), operator=args.operator or _login())
-    report = {"task_id": command.task_id, "command_id": command.command_id, "action": command.action}
-    watcher = TaskEvents(bootstrap, layout.events, command.task_id) if args.wait else None
-    history = watcher.read() if watcher is not None else []
-    if watcher is not None and not history:
-        _print(args.json, {**report, "outcome": "not_found"}, f"no task {command.task_id!r} in the event log")
-        return EXIT_NOT_FOUND
-    producer = EventProducer(bootstrap)
-    producer.send(layout.inbox, command)
-    producer.flush()
+    command_id = args.command_id or new_id()
+    report = {"task_id": args.task_id, "command_id": command_id, "action": args.action}
+    with Client() as client:
+        watcher = TaskEvents(client.bootstrap, client.layout.events, args.task_id) if args.wait else None
+        history = watcher.read() if watcher is not None else []
+        if watcher is not None and not history:
+            _print(args.json, {**report, "outcome": "not_found"}, f"no task {args.task_id!r} in the event log")
+            return EXIT_NOT_FOUND
+        command = client.send_command(args.task_id, args.action, step=getattr(args, "step", None),
+                                      command_id=command_id, operator=args.operator or _login())
     if watcher is None:
         _print(args.json, {**report, "outcome": "sent"},
                f"sent {command.action} for task {command.task_id} as command {command.command_id}")

@@ -17,6 +17,7 @@ from rich.console import Console
 from agents.orders_client import ServiceProcess
 from agents.shipped import ORDER_OPERATIONS
 from eventstore.broker import LocalBroker
+from eventstore.kafka_config import connection_config
 from eventstore.settings import ConsumerSettings, KafkaSettings
 from eventstore.shutdown import GracefulShutdown
 from eventstore.topics import TopicLayout, ensure_topics
@@ -37,7 +38,7 @@ def run_up(service_port: int | None = None) -> int:
     home = kafka.home.resolve()
     bootstrap = kafka.bootstrap_servers or LocalBroker(home).start().bootstrap_servers
     layout = TopicLayout.from_settings(kafka)
-    ensure_topics(AdminClient({"bootstrap.servers": bootstrap}), layout.core_specs(), kafka.replication_factor)
+    ensure_topics(AdminClient(connection_config(bootstrap)), layout.core_specs(), kafka.replication_factor)
     agents = sorted(SchedulerSettings().load_registry().agents & ORDER_OPERATIONS.keys())
 
     service = ServiceProcess(port=service_port, state_file=home / "orders-service.json",

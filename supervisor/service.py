@@ -23,6 +23,7 @@ import structlog
 from confluent_kafka import Consumer, TopicPartition
 from prometheus_client import Counter, Gauge
 
+from eventstore.kafka_config import connection_config
 from eventstore.producer import EventProducer
 from eventstore.settings import KafkaSettings
 from eventstore.topics import TopicLayout
@@ -52,7 +53,7 @@ class Supervisor:
         self._sent: dict[str, float] = {}
         self._producer = EventProducer(bootstrap)
         self._lease = Consumer({
-            "bootstrap.servers": bootstrap,
+            **connection_config(bootstrap),
             "group.id": f"{layout.prefix}supervisor",
             "enable.auto.commit": False,
             "session.timeout.ms": session_timeout_ms,

@@ -1,0 +1,510 @@
+"""The write side of the HTTP API: submit tasks and send operator commands, behind a bearer token.
+
+The scheduler, not this API, decides whether a task is admitted: a submission is produced on ``inbox``
+and the API waits (``STEPSTREAM_API_DECISION_TIMEOUT_S``) for the scheduler's first event caused by it,
+read from ``events``. So the answer is the system's own: 201 admitted, 429 refused by admission control
+(``Retry-After``), 409 a contradiction of an existing task. What the API can tell on its own it answers
+without producing anything: 401 without a valid token, 422 for an invalid submission (the field named),
+200 for a repeat of a known submission, 409 for the same task id with other data, 429 when the global
+in-flight estimate (non-terminal tasks in the state store plus the scheduler's backlog on ``inbox``) is at
+its bound. When the scheduler does not answer in time the submission is on the log anyway: 202, and
+``GET /api/tasks/{id}`` follows it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import threading
+import time
+from collections.abc import Callable, Coroutine, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+import orjson
+import structlog
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from fastapi import APIRouter, Depends, HTTPException, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import Counter
+from pydantic import BaseModel, ConfigDict, Field
+
+from eventstore.kafka_config import connection_config, producer_config
+from eventstore.topics import TopicLayout
+from projections.lag import LagReader
+from projections.settings import ApiSettings
+from projections.store import Store
+from scheduler.decider import TERMINAL, input_digest
+from scheduler.workflow import WorkflowNotFoundError, WorkflowRegistry
+from schemas.codec import default_codec
+from schemas.errors import DecodeError
+from schemas.messages import (
+    MESSAGE_TYPES,
+    Event,
+    Message,
+    OperatorAction,
+    OperatorAlert,
+    OperatorCommand,
+    TaskAccepted,
+    TaskRejected,
+    new_id,
+)
+from stepstream.client import InvalidSubmission, build_submission
+from stepstream.operator import Outcome
+
+log = structlog.get_logger("stepstream.api")
+_EVENT_TYPES: dict[str, type[Event]] = {t.__name__: t for t in MESSAGE_TYPES if issubclass(t, Event)}
+ANSWERS = Counter("stepstream_api_writes_total", "Write requests by endpoint and answer", ["endpoint", "answer"])
+
+
+# ---- requests --------------------------------------------------------------------------------------
+
+
+class SubmissionRequest(BaseModel):
+    """A task to run. ``task_id`` is the idempotency key: send the same one again to retry safely."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    workflow: str = Field(min_length=1, max_length=200)
+    version: int | None = Field(default=None, ge=1, description="workflow version; omitted: the latest")
+    input: dict[str, Any]
+    task_id: str | None = Field(default=None, min_length=1, max_length=200, description="default: a new id")
+    submitter: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]{1,100}$",
+                                  description="name of the private reply topic that gets progress updates")
+
+
+class CommandRequest(BaseModel):
+    """An operator command on one task. ``command_id`` is its idempotency key (default: a new one)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    action: OperatorAction
+    step: str | None = Field(default=None, min_length=1, max_length=200,
+                             description="resubmit / retry-compensation: the step (default: the failed one)")
+    command_id: str | None = Field(default=None, min_length=1, max_length=200)
+
+
+def _invalid(field_name: str, message: str, value: Any) -> RequestValidationError:
+    return RequestValidationError([{"type": "value_error", "loc": ("body", field_name), "msg": message,
+                                    "input": value}])
+
+
+# ---- authentication --------------------------------------------------------------------------------
+
+
+_BEARER = HTTPBearer(auto_error=False, description="a token of STEPSTREAM_API_TOKENS")
+
+
+class BearerTokens:
+    """The configured tokens, by who holds them. A request's token is checked before its body is read, so
+    without a valid one the answer is 401 whatever the body (FastAPI judges bodies before dependencies).
+    No token configured: no writes at all."""
+
+    def __init__(self, settings: ApiSettings) -> None:
+        self._tokens = [(name, secret.get_secret_value().encode()) for name, secret in settings.tokens.items()]
+
+    def holder(self, authorization: str | None) -> str:
+        """The name of the token presented in an ``Authorization`` header; HTTP 401 if none matches."""
+        if not self._tokens:
+            raise _unauthorized("writes are disabled: no API token is configured (STEPSTREAM_API_TOKENS)")
+        scheme, _, presented = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not presented.strip():
+            raise _unauthorized("missing bearer token (Authorization: Bearer <token>)")
+        candidate = presented.strip().encode()
+        # Every token is compared, in constant time each, so timing tells nothing about which one is near.
+        matches = [name for name, secret in self._tokens if hmac.compare_digest(candidate, secret)]
+        if not matches:
+            raise _unauthorized("invalid bearer token")
+        return matches[0]
+
+    def route_class(self) -> type[APIRoute]:
+        tokens = self
+
+        class AuthenticatedRoute(APIRoute):
+            def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+                handler = super().get_route_handler()
+
+                async def authenticated(request: Request) -> Response:
+                    request.state.token_holder = tokens.holder(request.headers.get("authorization"))
+                    return await handler(request)
+
+                return authenticated
+
+        return AuthenticatedRoute
+
+
+def token_holder(request: Request,
+                 _credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)]) -> str:
+    """Who acts: the holder of the request's token (checked by the route; the dependency documents the
+    bearer scheme in the OpenAPI schema)."""
+    holder: str = request.state.token_holder
+    return holder
+
+
+def _unauthorized(detail: str) -> HTTPException:
+    return HTTPException(401, detail, headers={"WWW-Authenticate": "Bearer"})
+
+
+# ---- the scheduler's answers -------------------------------------------------------------------------
+
+
+@dataclass
+class _Waiter:
+    accepts: Callable[[Event], bool]
+    done: threading.Event = field(default_factory=threading.Event)
+    event: Event | None = None
+
+
+class DecisionWatcher:
+    """Tails ``events`` and hands each event to the request waiting for a decision on its cause.
+
+    It starts at the end offsets read when it starts, explicitly (not "latest", which librdkafka resolves
+    only at the first fetch): every event of a command produced after ``start()`` returns is seen.
+    """
+
+    def __init__(self, bootstrap: str, topic: str) -> None:
+        self.topic = topic
+        self._consumer = Consumer({**connection_config(bootstrap), "group.id": f"api-watch-{new_id()}",
+                                   "enable.auto.commit": False, "isolation.level": "read_committed"})
+        self._waiters: dict[str, list[_Waiter]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="decision-watcher", daemon=True)
+        self._codec = default_codec()
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self._consumer.assign(self._end_offsets(timeout_s))
+                break
+            except KafkaException:
+                # A topic just created has no leader for a moment (NOT_LEADER_FOR_PARTITION, which librdkafka
+                # does not flag retriable here); past the deadline the error stands.
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        self._thread.start()
+
+    def _end_offsets(self, timeout_s: float) -> list[TopicPartition]:
+        partitions = self._consumer.list_topics(self.topic, timeout=timeout_s).topics[self.topic].partitions
+        return [TopicPartition(self.topic, p, self._consumer.get_watermark_offsets(
+            TopicPartition(self.topic, p), timeout=timeout_s)[1]) for p in sorted(partitions)]
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(10)
+        self._consumer.close()
+
+    @contextmanager
+    def expect(self, causation_id: str, accepts: Callable[[Event], bool] = lambda _e: True) -> Iterator[_Waiter]:
+        """Register before producing the command whose decision is awaited; unregistered on exit."""
+        waiter = _Waiter(accepts)
+        with self._lock:
+            self._waiters.setdefault(causation_id, []).append(waiter)
+        try:
+            yield waiter
+        finally:
+            with self._lock:
+                waiting = self._waiters.get(causation_id, [])
+                if waiter in waiting:
+                    waiting.remove(waiter)
+                if not waiting:
+                    self._waiters.pop(causation_id, None)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for record in self._consumer.consume(500, 0.2):
+                if record.error() is not None:
+                    if record.error().code() != KafkaError._PARTITION_EOF:
+                        log.warning("events not read", error=str(record.error()))
+                    continue
+                try:
+                    event = self._codec.decode(record.value())
+                except DecodeError:
+                    continue  # not ours to judge: the projector dead-letters what it cannot read
+                if isinstance(event, Event) and event.causation_id is not None:
+                    self._deliver(event)
+
+    def _deliver(self, event: Event) -> None:
+        with self._lock:
+            for waiter in self._waiters.get(event.causation_id or "", []):
+                if waiter.event is None and waiter.accepts(event):
+                    waiter.event = event
+                    waiter.done.set()
+
+
+# ---- admission --------------------------------------------------------------------------------------
+
+
+class GlobalAdmission:
+    """The API's bound on tasks in flight across every scheduler partition.
+
+    The estimate is the non-terminal tasks the state store holds plus the records the scheduler has not
+    consumed from ``inbox`` yet (submissions it has not decided), read at most every ``refresh_s``; the
+    submissions this API let through since the last reading are added, so a burst between readings cannot
+    overshoot. The scheduler's per-partition bound still applies behind it.
+    """
+
+    def __init__(self, store: Store, lag: LagReader | None, layout: TopicLayout, bound: int,
+                 refresh_s: float = 1.0) -> None:
+        self.store = store
+        self.lag = lag
+        self.layout = layout
+        self.bound = bound
+        self.refresh_s = refresh_s
+        self._lock = threading.Lock()
+        self._read_at = float("-inf")
+        self._estimate = 0
+
+    def refuse(self) -> str | None:
+        """Why a submission must wait (None: let it through, counted)."""
+        with self._lock:
+            if time.monotonic() - self._read_at >= self.refresh_s:
+                self._estimate = self._measure()
+                self._read_at = time.monotonic()
+            if self._estimate >= self.bound:
+                return (f"admission control: about {self._estimate} tasks in flight or waiting, "
+                        f"the limit is {self.bound}")
+            self._estimate += 1
+            return None
+
+    def _measure(self) -> int:
+        live = sum(n for state, n in self.store.counts_by_status().items() if state not in TERMINAL)
+        backlog = 0
+        if self.lag is not None:
+            try:
+                backlog = sum(row.lag for row in self.lag.groups()
+                              if row.group == f"{self.layout.prefix}scheduler" and row.topic == self.layout.inbox)
+            except Exception as exc:  # the broker is not answering: producing will tell, the store still counts
+                log.warning("inbox backlog not measured", error=repr(exc))
+        return live + backlog
+
+
+# ---- the writer -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Answer:
+    status: int
+    body: dict[str, Any]
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body, self.status, self.headers)
+
+
+class DeliveryFailed(Exception):
+    """Kafka did not take the message in time."""
+
+
+class TaskWriter:
+    """Produces submissions and operator commands and waits for the scheduler's answer to each."""
+
+    def __init__(self, *, bootstrap: str, layout: TopicLayout, store: Store, registry: WorkflowRegistry,
+                 admission: GlobalAdmission, settings: ApiSettings) -> None:
+        self.layout = layout
+        self.store = store
+        self.registry = registry
+        self.admission = admission
+        self.settings = settings
+        self._codec = default_codec()
+        # Each request waits for its own message's report: successes must be reported too.
+        self._producer = Producer(producer_config(bootstrap, **{"delivery.report.only.error": False}))
+        self.watcher = DecisionWatcher(bootstrap, layout.events)
+        self.watcher.start()
+        self._closed = threading.Event()
+        self._poller = threading.Thread(target=self._serve_deliveries, name="delivery-reports", daemon=True)
+        self._poller.start()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._poller.join(5)
+        self._producer.flush(10)
+        self.watcher.close()
+
+    # -- submissions --
+
+    def submit(self, request: SubmissionRequest) -> Answer:
+        try:
+            workflow = self.registry.get(request.workflow, request.version)
+        except WorkflowNotFoundError as exc:
+            if self._known(request.workflow):
+                raise _invalid("version", str(exc), request.version) from None
+            raise _invalid("workflow", str(exc), request.workflow) from None
+        try:
+            command = build_submission(request.workflow, request.input, version=request.version,
+                                       task_id=request.task_id, submitter=request.submitter,
+                                       reply_topic=self.layout.status(request.submitter) if request.submitter else None)
+        except InvalidSubmission as exc:
+            raise _invalid(exc.field, exc.reason, None) from None
+        existing = self.store.task(command.task_id)
+        if existing is not None:
+            repeat = self._same_submission(existing, command.workflow, request.version, command.input)
+            if not repeat:
+                return Answer(409, {"task_id": command.task_id, "status": existing["status"],
+                                    "detail": f"task {command.task_id!r} exists with other data "
+                                              f"({existing['workflow']} v{existing['workflow_version']}); "
+                                              "nothing was submitted"})
+            if existing["status"] != "rejected":
+                return Answer(200, self._task_body(command.task_id, existing["status"], existing["workflow"],
+                                                   existing["workflow_version"]), self._location(command.task_id))
+        refusal = self.admission.refuse()
+        if refusal is not None:
+            return self._too_busy(command.task_id, refusal)
+        with self.watcher.expect(command.message_id) as waiter:
+            self._deliver(command)
+            waiter.done.wait(self.settings.decision_timeout_s)
+        match waiter.event:
+            case TaskAccepted():
+                return Answer(201, self._task_body(command.task_id, "accepted", workflow.name, workflow.version),
+                              self._location(command.task_id))
+            case TaskRejected(reason=reason):
+                return self._too_busy(command.task_id, reason)
+            case OperatorAlert(reason=reason):
+                return Answer(409, {"task_id": command.task_id, "detail": reason})
+        return Answer(202, {**self._task_body(command.task_id, "submitted", workflow.name, workflow.version),
+                            "detail": "on the log; the scheduler has not answered yet: follow the task at its "
+                                      "location"}, self._location(command.task_id))
+
+    def _known(self, name: str) -> bool:
+        try:
+            self.registry.get(name)
+        except WorkflowNotFoundError:
+            return False
+        return True
+
+    def _same_submission(self, existing: dict[str, Any], workflow: str, version: int | None,
+                         data: dict[str, Any]) -> bool:
+        """What the scheduler's decider compares: workflow, pinned version and input, by digest."""
+        pinned = existing["workflow_version"] if version is None else version
+        if workflow != existing["workflow"] or pinned != existing["workflow_version"]:
+            return False
+        submitted = [orjson.loads(e["body"]).get("input_digest") for e in self.store.history(existing["task_id"])
+                     if e["event_type"] in ("TaskAccepted", "TaskRejected")]
+        return bool(submitted) and submitted[-1] == input_digest(workflow, pinned, data)
+
+    def _too_busy(self, task_id: str, reason: str) -> Answer:
+        retry_after = str(self.settings.retry_after_s)
+        return Answer(429, {"task_id": task_id, "detail": reason, "retry_after_s": self.settings.retry_after_s},
+                      {"Retry-After": retry_after})
+
+    def _task_body(self, task_id: str, status: str, workflow: str, version: int) -> dict[str, Any]:
+        return {"task_id": task_id, "status": status, "workflow": workflow, "workflow_version": version,
+                "location": f"/api/tasks/{task_id}"}
+
+    @staticmethod
+    def _location(task_id: str) -> dict[str, str]:
+        return {"Location": f"/api/tasks/{task_id}"}
+
+    # -- operator commands --
+
+    def command(self, task_id: str, request: CommandRequest, operator: str) -> Answer:
+        if self.store.task(task_id) is None:
+            return Answer(404, {"detail": f"no task {task_id!r} in the state store"})
+        command_id = request.command_id or new_id()
+        report = {"task_id": task_id, "command_id": command_id, "action": request.action}
+        earlier = self._answer_recorded(task_id, command_id)
+        if earlier is not None:  # this command id was answered before: the same answer, nothing sent again
+            return self._outcome(report, Outcome.of(earlier))
+        command = OperatorCommand(task_id=task_id, command_id=command_id, action=request.action,
+                                  step=request.step, operator=operator)
+        with self.watcher.expect(command.message_id, lambda e: getattr(e, "command_id", None) == command_id) \
+                as waiter:
+            self._deliver(command)
+            waiter.done.wait(self.settings.decision_timeout_s)
+        if waiter.event is None:
+            return Answer(202, {**report, "outcome": "pending",
+                                "detail": "on the log; the scheduler has not answered yet (send the same "
+                                          "command_id again to ask)"})
+        return self._outcome(report, Outcome.of(waiter.event))
+
+    def _answer_recorded(self, task_id: str, command_id: str) -> Event | None:
+        for row in self.store.history(task_id):
+            body = orjson.loads(row["body"])
+            if body.get("command_id") == command_id and row["event_type"] in _EVENT_TYPES:
+                return _EVENT_TYPES[row["event_type"]].model_validate(body)
+        return None
+
+    @staticmethod
+    def _outcome(report: dict[str, Any], outcome: Outcome) -> Answer:
+        return Answer(200 if outcome.status == "accepted" else 409,
+                      {**report, "outcome": outcome.status, "detail": outcome.detail})
+
+    # -- delivery --
+
+    def _deliver(self, message: Message) -> None:
+        """Produce and wait for the broker's acknowledgement (acks=all) of this one message."""
+        delivered = threading.Event()
+        failure: list[KafkaError] = []
+
+        def on_delivery(err: KafkaError | None, _msg: Any) -> None:
+            if err is not None:
+                failure.append(err)
+            delivered.set()
+
+        self._producer.produce(self.layout.inbox, self._codec.encode(message), message.task_id,
+                               on_delivery=on_delivery)
+        if not delivered.wait(self.settings.delivery_timeout_s) or failure:
+            reason = failure[0].str() if failure else f"no acknowledgement within {self.settings.delivery_timeout_s}s"
+            raise DeliveryFailed(reason)
+
+    def _serve_deliveries(self) -> None:
+        while not self._closed.is_set():
+            self._producer.poll(0.1)
+
+
+def write_router(writer: TaskWriter, settings: ApiSettings) -> APIRouter:
+    router = APIRouter(tags=["writes"], route_class=BearerTokens(settings).route_class())
+    unavailable: dict[int | str, dict[str, Any]] = {
+        400: {"description": "the body is not JSON"},
+        503: {"description": "Kafka did not take the message; retry after Retry-After"}}
+
+    @router.post("/api/tasks", status_code=201, responses={
+        200: {"description": "a repeat of a known submission: nothing new submitted"},
+        202: {"description": "on the log, the scheduler has not answered yet"},
+        401: {"description": "no valid bearer token: nothing submitted"},
+        409: {"description": "the task id exists with other data: nothing submitted"},
+        429: {"description": "admission control refused the task: retry after Retry-After, same task id"},
+        **unavailable,
+    })
+    def submit_task(request: SubmissionRequest, who: Annotated[str, Depends(token_holder)]) -> JSONResponse:
+        """Submit a task; the answer is the scheduler's decision (or 202 if it takes longer)."""
+        answer = _guard(lambda: writer.submit(request), settings)
+        ANSWERS.labels("submit", str(answer.status_code)).inc()
+        log.info("submission answered", task_id=request.task_id, workflow=request.workflow, by=who,
+                 status=answer.status_code)
+        return answer
+
+    @router.post("/api/tasks/{task_id}/commands", responses={
+        202: {"description": "on the log, the scheduler has not answered yet"},
+        401: {"description": "no valid bearer token: nothing sent"},
+        404: {"description": "no such task in the state store"},
+        409: {"description": "the scheduler refused the command (the reason says why)"},
+        **unavailable,
+    })
+    def command_task(task_id: str, request: CommandRequest, who: Annotated[str, Depends(token_holder)]) -> JSONResponse:
+        """An operator command (resubmit, compensate, cancel, retry-compensation); the operator is the
+        token's name."""
+        answer = _guard(lambda: writer.command(task_id, request, who), settings)
+        ANSWERS.labels("command", str(answer.status_code)).inc()
+        log.info("operator command answered", task_id=task_id, action=request.action, by=who,
+                 status=answer.status_code)
+        return answer
+
+    return router
+
+
+def _guard(call: Callable[[], Answer], settings: ApiSettings) -> JSONResponse:
+    try:
+        return call().response()
+    except DeliveryFailed as exc:
+        log.warning("message not delivered", error=str(exc))
+        return JSONResponse({"detail": f"the event log did not take the message: {exc}"}, 503,
+                            {"Retry-After": str(settings.retry_after_s)})
+
+

@@ -1,0 +1,57 @@
+"""schemathesis against the published OpenAPI schema: generated requests to every operation, read and
+write, over a real store and a real broker. No 5xx, and every answer is one the schema documents."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, settings
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_headers_conformance,
+    status_code_conformance,
+)
+
+from eventstore.topics import TopicLayout
+from projections.api import create_app
+from projections.lag import LagReader
+from projections.settings import ApiSettings
+from projections.store import Positioned, SqliteStore
+from stepstream.task_api import GlobalAdmission, TaskWriter, write_router
+from tests.histories import histories
+from tests.workflows import REGISTRY
+
+TOKEN = {"Authorization": "Bearer schema-token"}
+
+
+@pytest.fixture
+def api_schema(bootstrap: str, layout: TopicLayout, tmp_path: Path) -> Iterator[schemathesis.Schema]:
+    store = SqliteStore(tmp_path / "state.db")
+    events = histories(40, seed=5, in_flight_every=7, start=datetime.now(UTC) - timedelta(minutes=5))
+    store.apply_events(layout.events, [Positioned(0, i, e) for i, e in enumerate(events)])
+    api_settings = ApiSettings(tokens={"fuzzer": "schema-token"}, decision_timeout_s=0.05, max_in_flight=1_000)
+    lag = LagReader(bootstrap, layout.prefix)
+    admission = GlobalAdmission(store, lag, layout, api_settings.max_in_flight)
+    writer = TaskWriter(bootstrap=bootstrap, layout=layout, store=store, registry=REGISTRY, admission=admission,
+                        settings=api_settings)
+    app = create_app(store, layout, lag, [write_router(writer, api_settings)])
+    try:
+        yield schemathesis.openapi.from_asgi("/openapi.json", app)
+    finally:
+        writer.close()
+        store.close()
+
+
+schema = schemathesis.pytest.from_fixture("api_schema")
+
+
+@schema.parametrize()
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+def test_generated_requests_get_no_server_error_and_only_documented_answers(case: schemathesis.Case) -> None:
+    case.call_and_validate(headers=TOKEN, checks=[not_a_server_error, status_code_conformance,
+                                                  content_type_conformance, response_headers_conformance])

@@ -1,0 +1,215 @@
+"""The write side of the HTTP API against the real system: POST /api/tasks (201, 200, 409, 422, 429, 401)
+and operator commands, each answer checked against what reached Kafka."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from eventstore.topics import TopicLayout
+from projections.api import create_app
+from projections.lag import LagReader
+from projections.settings import ApiSettings
+from projections.store import SqliteStore
+from schemas.codec import default_codec
+from schemas.messages import OperatorCommand, SubmitTask, TaskAccepted
+from stepstream.task_api import GlobalAdmission, TaskWriter, write_router
+from tests.kafka_helpers import read_all, wait_for
+from tests.system import TERMINAL, System
+from tests.workflows import REGISTRY
+
+SHOP = {"Authorization": "Bearer shop-secret"}
+OPS = {"Authorization": "Bearer ops-secret"}
+ORDER = {"order_id": "o-1", "sku": "A-1", "qty": 1, "amount": 10}
+
+
+class Api:
+    """The API process's parts, in this process: the app over the system's store, writing to its topics."""
+
+    def __init__(self, system: System, **settings: Any) -> None:
+        self.system = system
+        self.settings = ApiSettings(tokens={"shop": "shop-secret", "ops": "ops-secret"}, retry_after_s=2,
+                                    decision_timeout_s=20, admission_refresh_s=0.2, **settings)
+        system.store_path.parent.mkdir(parents=True, exist_ok=True)
+        self.store = SqliteStore(system.store_path)
+        lag = LagReader(system.bootstrap, system.layout.prefix, cache_s=0.2)
+        admission = GlobalAdmission(self.store, lag, system.layout, self.settings.max_in_flight,
+                                    self.settings.admission_refresh_s)
+        self.writer = TaskWriter(bootstrap=system.bootstrap, layout=system.layout, store=self.store,
+                                 registry=REGISTRY, admission=admission, settings=self.settings)
+        self.http = TestClient(create_app(self.store, system.layout, lag, [write_router(self.writer, self.settings)]))
+
+    def submit(self, task_id: str, data: dict[str, Any] | None = None, headers: dict[str, str] | None = None,
+               **extra: Any) -> Any:
+        body = {"workflow": "orders", "version": 1, "input": data or {**ORDER, "order_id": task_id},
+                "task_id": task_id, **extra}
+        return self.http.post("/api/tasks", json=body, headers=SHOP if headers is None else headers)
+
+    def close(self) -> None:
+        self.http.close()
+        self.writer.close()
+        self.store.close()
+
+
+@pytest.fixture
+def api(system: System) -> Iterator[Api]:
+    opened = Api(system)
+    try:
+        yield opened
+    finally:
+        opened.close()
+
+
+def inbox(layout: TopicLayout, bootstrap: str, timeout_s: float = 3) -> list[SubmitTask | OperatorCommand]:
+    """The submissions and operator commands on ``inbox`` (agents' results go there too)."""
+    codec = default_codec()
+    decoded = [codec.decode(m.value()) for m in read_all(bootstrap, layout.inbox, expect=10_000, timeout_s=timeout_s)]
+    return [m for m in decoded if isinstance(m, SubmitTask | OperatorCommand)]
+
+
+def test_a_posted_task_gets_201_its_repeat_200_and_it_runs_once(system: System, api: Api) -> None:
+    system.start()
+    created = api.submit("http-1")
+    assert created.status_code == 201, created.text
+    assert created.headers["location"] == "/api/tasks/http-1"
+    assert created.json()["status"] == "accepted"
+    assert system.wait_terminal(["http-1"]) == {"http-1": "completed"}
+    repeat = api.submit("http-1")
+    assert repeat.status_code == 200 and repeat.json()["status"] == "completed"
+    assert api.http.get("/api/tasks/http-1").json()["status"] == "completed"
+    assert len([e for e in system.events("http-1") if isinstance(e, TaskAccepted)]) == 1
+    assert system.admin.applied_for("payments/charge", "http-1:charge") == 1
+    assert len(inbox(system.layout, system.bootstrap)) == 1, "the repeat produced nothing"
+
+
+def test_the_same_id_with_other_data_gets_409_and_nothing_reaches_kafka(system: System, api: Api) -> None:
+    system.start()
+    assert api.submit("http-2").status_code == 201
+    assert wait_for(lambda: api.store.task("http-2") is not None, 30)
+    clash = api.submit("http-2", {**ORDER, "qty": 7})
+    assert clash.status_code == 409 and "other data" in clash.json()["detail"]
+    other_version = api.submit("http-2", version=2)
+    assert other_version.status_code == 409
+    submitted = [m for m in inbox(system.layout, system.bootstrap) if isinstance(m, SubmitTask)]
+    assert len(submitted) == 1 and submitted[0].input["qty"] == 1
+    assert system.wait_terminal(["http-2"]) == {"http-2": "completed"}
+
+
+@pytest.mark.parametrize(
+    ("headers", "detail"),
+    [({}, "missing bearer token"), ({"Authorization": "Bearer wrong"}, "invalid bearer token"),
+     ({"Authorization": "Basic c2hvcDpzaG9wLXNlY3JldA=="}, "missing bearer token")],
+    ids=["no token", "wrong token", "not a bearer token"],
+)
+def test_writes_without_a_valid_token_get_401_and_nothing_reaches_kafka(
+    system: System, api: Api, headers: dict[str, str], detail: str,
+) -> None:
+    refused = api.submit("nope", headers=headers)
+    assert refused.status_code == 401 and detail in refused.json()["detail"]
+    assert refused.headers["www-authenticate"] == "Bearer"
+    invalid_too = api.http.post("/api/tasks", json={"workflow": ""}, headers=headers)
+    assert invalid_too.status_code == 401, "no token: refused before the body is even judged"
+    command = api.http.post("/api/tasks/nope/commands", json={"action": "cancel"}, headers=headers)
+    assert command.status_code == 401
+    assert inbox(system.layout, system.bootstrap) == []
+
+
+def test_with_no_token_configured_writes_are_refused(system: System, api: Api) -> None:
+    closed = TestClient(create_app(api.store, system.layout, None, [write_router(api.writer, ApiSettings())]))
+    refused = closed.post("/api/tasks", json={"workflow": "orders", "input": ORDER}, headers=SHOP)
+    assert refused.status_code == 401 and "no API token is configured" in refused.json()["detail"]
+    assert inbox(system.layout, system.bootstrap) == []
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"workflow": "no-such", "input": ORDER}, "workflow"),
+        ({"workflow": "orders", "version": 9, "input": ORDER}, "version"),
+        ({"workflow": "orders", "version": 0, "input": ORDER}, "version"),
+        ({"workflow": "orders", "input": [1, 2]}, "input"),
+        ({"workflow": "orders", "input": {"n": 2**70}}, "input"),
+        ({"workflow": "orders", "input": ORDER, "task_id": ""}, "task_id"),
+        ({"workflow": "orders", "input": ORDER, "submitter": "../other"}, "submitter"),
+        ({"workflow": "orders", "input": ORDER, "priority": 1}, "priority"),
+        ({"input": ORDER}, "workflow"),
+    ],
+    ids=["unknown workflow", "unknown version", "version 0", "input not an object", "integer past 64 bits",
+         "empty task id", "submitter not a name", "unknown field", "workflow missing"],
+)
+def test_invalid_submissions_get_422_naming_the_field_and_nothing_reaches_kafka(
+    system: System, api: Api, body: dict[str, Any], field: str,
+) -> None:
+    refused = api.http.post("/api/tasks", json=body, headers=SHOP)
+    assert refused.status_code == 422, refused.text
+    [error] = refused.json()["detail"]
+    assert error["loc"] == ["body", field], error
+    assert inbox(system.layout, system.bootstrap) == []
+
+
+def test_with_the_service_down_submissions_past_the_bound_get_429_until_it_returns(system: System) -> None:
+    system.env["STEPSTREAM_SCHEDULER_MAX_IN_FLIGHT"] = "2"  # per inbox partition: the scheduler's own bound
+    system.admin.set_faults("inventory/reserve", hang=True, hang_max_s=60)  # the remote service is down
+    system.start()
+    bound = 3
+    api = Api(system, max_in_flight=bound)
+    peak = 0
+    sampling = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not sampling.is_set():
+            live = sum(n for s, n in api.store.counts_by_status().items() if s not in TERMINAL)
+            peak = max(peak, live)
+            time.sleep(0.05)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        answers = {f"busy-{i}": api.submit(f"busy-{i}") for i in range(10)}
+        codes = {task_id: r.status_code for task_id, r in answers.items()}
+        admitted = [t for t, c in codes.items() if c == 201]
+        refused = [t for t, c in codes.items() if c == 429]
+        assert set(codes.values()) <= {201, 429}, codes
+        assert 0 < len(admitted) <= bound and refused, codes
+        assert all(answers[t].headers["retry-after"] == "2" for t in refused)
+        time.sleep(1)
+        assert peak <= bound, f"{peak} tasks in flight, the bound is {bound}"
+        system.admin.clear_faults("inventory/reserve")
+        assert set(system.wait_terminal(admitted, 90).values()) == {"completed"}
+        # Retried after Retry-After under the same task id, a refused task is admitted and runs.
+        retried = api.submit(refused[0])
+        assert retried.status_code == 201, retried.text
+        assert system.wait_terminal([refused[0]], 60) == {refused[0]: "completed"}
+    finally:
+        sampling.set()
+        sampler.join(2)
+        api.close()
+    assert peak <= bound
+
+
+def test_operator_commands_over_http_are_answered_with_the_schedulers_outcome(system: System, api: Api) -> None:
+    system.start()
+    refused_order = {**ORDER, "order_id": "bad", "qty": 0}  # the inventory service refuses it: error
+    assert api.submit("op-1", refused_order).status_code == 201
+    assert system.wait_terminal(["op-1"]) == {"op-1": "error"}
+    missing = api.http.post("/api/tasks/no-such/commands", json={"action": "compensate"}, headers=OPS)
+    assert missing.status_code == 404
+    body = {"action": "compensate", "command_id": "cmd-1"}
+    accepted = api.http.post("/api/tasks/op-1/commands", json=body, headers=OPS)
+    assert accepted.status_code == 200, accepted.text
+    assert accepted.json()["outcome"] == "accepted" and accepted.json()["command_id"] == "cmd-1"
+    assert system.wait_terminal(["op-1"])["op-1"] in ("compensated", "compensation_failed")
+    assert wait_for(lambda: any(r["event_type"] == "CompensationStarted" for r in api.store.history("op-1")), 30)
+    again = api.http.post("/api/tasks/op-1/commands", json=body, headers=OPS)
+    assert again.status_code == 200 and again.json()["outcome"] == "accepted", "answered from the record"
+    refused = api.http.post("/api/tasks/op-1/commands", json={"action": "cancel"}, headers=OPS)
+    assert refused.status_code == 409 and refused.json()["outcome"] == "refused"
+    commands = [m for m in inbox(system.layout, system.bootstrap) if isinstance(m, OperatorCommand)]
+    assert [(c.command_id == "cmd-1", c.action, c.operator) for c in commands][:1] == [(True, "compensate", "ops")]
+    assert len(commands) == 2, "the repeated command id was answered without sending it again"

@@ -10,6 +10,7 @@ import argparse
 import socket
 import sys
 from datetime import UTC, datetime
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -173,8 +174,8 @@ def serve_api(*, host: str | None, port: int | None) -> int:
     print(f"api listening on http://{bound_host}:{bound_port} (store {store.describe()})", file=sys.stderr,
           flush=True)
     routers = [] if writer is None else [write_router(writer, settings)]
-    server = uvicorn.Server(uvicorn.Config(create_app(store, layout, lag, routers), log_level="warning",
-                                           access_log=False))
+    server = _draining_server_class()(uvicorn.Config(create_app(store, layout, lag, routers), log_level="warning",
+                                            access_log=False))
     try:
         server.run(sockets=[listener])
     finally:
@@ -182,6 +183,20 @@ def serve_api(*, host: str | None, port: int | None) -> int:
             writer.close()
         store.close()
     return 0
+
+
+def _draining_server_class() -> type[Any]:
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """Drains on SIGTERM/SIGINT and then exits 0, like every stepstream service: uvicorn would raise the
+        signal again after its graceful shutdown, and the process would look killed to its supervisor."""
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()
+
+    return DrainingServer
 
 
 def _task_writer(kafka: KafkaSettings, layout: TopicLayout, store: Store, lag: LagReader,

@@ -28,6 +28,7 @@ import re
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -352,18 +353,31 @@ def add_parsers(commands: Any) -> None:
     """``stepstream outbox install|relay|status``."""
     outbox = commands.add_parser("outbox", help="the transactional outbox of an application's PostgreSQL database")
     actions = outbox.add_subparsers(dest="action", required=True)
-    actions.add_parser("install", help="create the outbox table (idempotent)").set_defaults(func=_install)
+    actions.add_parser("install", help="create the outbox table (idempotent)").set_defaults(
+        func=_configured("install", _install))
     relay = actions.add_parser("relay", help="relay outbox rows to inbox until SIGTERM (or --once)")
     relay.add_argument("--once", action="store_true", help="relay what is pending now, then exit")
-    relay.set_defaults(func=_relay)
+    relay.set_defaults(func=_configured("relay", _relay))
     status = actions.add_parser("status", help="unsent rows and the age of the oldest")
     status.add_argument("--json", action="store_true")
-    status.set_defaults(func=_status)
+    status.set_defaults(func=_configured("status", _status))
 
 
-def _invalid(action: str, exc: InvalidOutboxInput) -> int:
-    print(f"stepstream outbox {action}: invalid {exc}", file=sys.stderr)
-    return EXIT_INVALID
+def _configured(action: str, run: Callable[[argparse.Namespace, OutboxSettings, str], int],
+                ) -> Callable[[argparse.Namespace], int]:
+    """``run`` with the settings and the database they name; invalid settings exit 2 naming the field
+    (before anything connects)."""
+
+    def invoke(args: argparse.Namespace) -> int:
+        try:
+            settings = load_settings()
+            dsn = settings.resolved_dsn()
+        except InvalidOutboxInput as exc:
+            print(f"stepstream outbox {action}: invalid {exc}", file=sys.stderr)
+            return EXIT_INVALID
+        return run(args, settings, dsn)
+
+    return invoke
 
 
 def _connect(dsn: str) -> psycopg.Connection[Any]:
@@ -373,24 +387,14 @@ def _connect(dsn: str) -> psycopg.Connection[Any]:
         raise InfrastructureError(f"outbox database unavailable: {exc}") from exc
 
 
-def _install(_args: argparse.Namespace) -> int:
-    try:
-        settings = load_settings()
-        dsn = settings.resolved_dsn()
-    except InvalidOutboxInput as exc:
-        return _invalid("install", exc)
+def _install(_args: argparse.Namespace, settings: OutboxSettings, dsn: str) -> int:
     with _connect(dsn) as conn:
         install(conn, settings.db_schema)
     print(f"outbox table {settings.db_schema}.{TABLE} ready")
     return 0
 
 
-def _status(args: argparse.Namespace) -> int:
-    try:
-        settings = load_settings()
-        dsn = settings.resolved_dsn()
-    except InvalidOutboxInput as exc:
-        return _invalid("status", exc)
+def _status(args: argparse.Namespace, settings: OutboxSettings, dsn: str) -> int:
     with _connect(dsn) as conn:
         current = backlog(conn, settings.db_schema)
     oldest = current.oldest.isoformat() if current.oldest else None
@@ -401,8 +405,8 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
-def _relay(args: argparse.Namespace) -> int:
-    # Signals first (a SIGTERM during start-up drains too), as every service process does.
+def _relay(args: argparse.Namespace, settings: OutboxSettings, dsn: str) -> int:
+    # Signals before connecting (a SIGTERM during start-up drains too), as every service process does.
     from prometheus_client import start_http_server
 
     from eventstore.logs import configure_logging
@@ -413,11 +417,6 @@ def _relay(args: argparse.Namespace) -> int:
     stop = GracefulShutdown(ConsumerSettings().drain_timeout_s).install().event
     observability = ObservabilitySettings()
     configure_logging(observability.log_level, observability.log_json)
-    try:
-        settings = load_settings()
-        dsn = settings.resolved_dsn()
-    except InvalidOutboxInput as exc:
-        return _invalid("relay", exc)
     if observability.metrics_port is not None:
         start_http_server(observability.metrics_port, addr="127.0.0.1")
     log.info("service starting", service="outbox relay")

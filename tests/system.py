@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import re
 import sqlite3
 import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from agents.orders_client import OrdersAdmin, ServiceProcess
 from eventstore.producer import EventProducer
@@ -14,6 +17,7 @@ from eventstore.replay import ReplayReader
 from eventstore.topics import TopicLayout
 from schemas.messages import Event, SubmitTask
 from stepstream.processes import ServiceProcesses
+from tests.kafka_helpers import wait_for
 
 TERMINAL = {"completed", "error", "rejected", "compensated", "compensation_failed"}
 AGENTS = ("inventory", "payments", "shipping")
@@ -57,6 +61,18 @@ class System:
         self.procs.service(name, *(("agent", name) if name in AGENTS else (kind,)))
         if wait:
             self.procs.wait_started(name)
+
+    def start_api(self) -> httpx.Client:
+        """``stepstream serve api`` as a process of its own, on a free port; a client for it."""
+        self.procs.start("api", "stepstream", "serve", "api", "--port", "0")
+        found: list[str] = []
+
+        def listening() -> bool:
+            found[:] = re.findall(r"api listening on (http://\S+)", self.procs.log("api"))
+            return bool(found) or not self.procs.alive("api")
+
+        assert wait_for(listening, timeout_s=60) and found, self.procs.log("api")
+        return httpx.Client(base_url=found[0], timeout=30)
 
     def submit(self, task_id: str, input: dict[str, Any] | None = None, *, version: int | None = None,
                workflow: str = "orders", submitter: str | None = None) -> SubmitTask:

@@ -4,7 +4,6 @@ and a store rebuilt afterwards equals the live one row for row."""
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 import threading
@@ -28,18 +27,6 @@ def _cli(system: System, *argv: str, timeout_s: float = 180) -> tuple[int, Any]:
                           cwd=ROOT, capture_output=True, timeout=timeout_s)
     assert done.stdout or done.returncode == 0, done.stderr.decode()[-3000:]
     return done.returncode, orjson.loads(done.stdout) if done.stdout else None
-
-
-def _start_api(system: System) -> httpx.Client:
-    system.procs.start("api", "stepstream", "serve", "api", "--port", "0")
-    found: list[str] = []
-
-    def listening() -> bool:
-        found[:] = re.findall(r"api listening on (http://\S+)", system.procs.log("api"))
-        return bool(found) or not system.procs.alive("api")
-
-    assert wait_for(listening, timeout_s=60) and found, system.procs.log("api")
-    return httpx.Client(base_url=found[0], timeout=10)
 
 
 class Poller(threading.Thread):
@@ -79,7 +66,7 @@ def test_a_rebuild_while_tasks_run_under_faults_equals_a_fresh_replay_and_the_ap
     system.env["STEPSTREAM_STORE_URL"] = str(store_spec)  # SQLite: the system's own file
     system.admin.set_faults(latency_ms=20, error_rate=0.2, throttle_rate=0.1, retry_after_s=1)
     system.start()
-    api = _start_api(system)
+    api = system.start_api()
     first = [f"before-{i}" for i in range(12)]
     for task_id in first:
         system.submit(task_id, version=1)

@@ -213,3 +213,18 @@ def test_operator_commands_over_http_are_answered_with_the_schedulers_outcome(sy
     commands = [m for m in inbox(system.layout, system.bootstrap) if isinstance(m, OperatorCommand)]
     assert [(c.command_id == "cmd-1", c.action, c.operator) for c in commands][:1] == [(True, "compensate", "ops")]
     assert len(commands) == 2, "the repeated command id was answered without sending it again"
+
+
+def test_the_served_api_process_takes_submissions_over_http_and_drains_on_sigterm(system: System) -> None:
+    system.env["STEPSTREAM_API_TOKENS"] = '{"shop": "shop-secret"}'
+    system.env["STEPSTREAM_API_DECISION_TIMEOUT_S"] = "30"
+    system.start()
+    with system.start_api() as http:
+        body = {"workflow": "orders", "version": 1, "input": {**ORDER, "order_id": "served"}, "task_id": "served"}
+        assert http.post("/api/tasks", json=body).status_code == 401
+        created = http.post("/api/tasks", json=body, headers=SHOP)
+        assert created.status_code == 201, created.text
+        assert system.wait_terminal(["served"]) == {"served": "completed"}
+        assert http.get("/api/tasks/served").json()["status"] == "completed"
+        assert 'stepstream_api_writes_total{answer="201",endpoint="submit"} 1.0' in http.get("/metrics").text
+    assert system.procs.terminate("api") == 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import socket
 import sys
+import threading
 from datetime import UTC, datetime
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -18,7 +19,8 @@ from rich.console import Console
 
 from eventstore.errors import StepstreamError
 from eventstore.logs import configure_logging
-from eventstore.settings import KafkaSettings, ObservabilitySettings
+from eventstore.settings import ConsumerSettings, KafkaSettings, ObservabilitySettings
+from eventstore.shutdown import GracefulShutdown
 from eventstore.topics import TopicLayout
 from projections.rebuild import (
     Offsets,
@@ -149,34 +151,42 @@ def serve_api(*, host: str | None, port: int | None) -> int:
     from projections.lag import LagReader
     from stepstream.task_api import write_router
 
+    # Armed before anything connects, as in every service: a SIGTERM during start-up is a stop, not a kill.
+    stop = GracefulShutdown(ConsumerSettings().drain_timeout_s).install().event
     settings = ApiSettings()
     observability = ObservabilitySettings()
     configure_logging(observability.log_level, observability.log_json)
-    kafka = KafkaSettings()
-    layout = TopicLayout.from_settings(kafka)
-    try:
-        lag: LagReader | None = LagReader(kafka.resolved_bootstrap(), layout.prefix)
-    except RuntimeError as exc:  # no cluster configured and no local broker: serve the store anyway
-        print(f"stepstream: lag is not measured: {exc}", file=sys.stderr)
-        lag = None
-    store = StoreSettings().open(kafka.home)
-    writer = _task_writer(kafka, layout, store, lag, settings) if lag is not None else None
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         listener.bind((host or settings.host, settings.port if port is None else port))
     except OSError as exc:
         raise UsageError(f"--port {port if port is not None else settings.port}: cannot listen: {exc}") from exc
-    # Listen before announcing the address: a client that reads it and connects at once is queued, not
-    # refused, while the app is still starting.
-    listener.listen(2048)
-    bound_host, bound_port = listener.getsockname()[:2]
-    print(f"api listening on http://{bound_host}:{bound_port} (store {store.describe()})", file=sys.stderr,
-          flush=True)
-    routers = [] if writer is None else [write_router(writer, settings)]
-    server = _draining_server_class()(uvicorn.Config(create_app(store, layout, lag, routers), log_level="warning",
-                                            access_log=False))
+    kafka = KafkaSettings()
+    layout = TopicLayout.from_settings(kafka)
     try:
+        lag: LagReader | None = LagReader(kafka.resolved_bootstrap(), layout.prefix)
+    except RuntimeError as exc:  # no cluster configured and no local broker: serve the store anyway
+        print(f"stepstream: lag is not measured, writes are off: {exc}", file=sys.stderr)
+        lag = None
+    store = StoreSettings().open(kafka.home)
+    writer = _task_writer(kafka, layout, store, lag, settings) if lag is not None else None
+    try:
+        # Listen before announcing the address: a client that reads it and connects at once is queued, not
+        # refused, while the app is still starting.
+        listener.listen(2048)
+        bound_host, bound_port = listener.getsockname()[:2]
+        print(f"api listening on http://{bound_host}:{bound_port} (store {store.describe()})", file=sys.stderr,
+              flush=True)
+        routers = [] if writer is None else [write_router(writer, settings)]
+        server = _draining_server_class()(uvicorn.Config(create_app(store, layout, lag, routers),
+                                                         log_level="warning", access_log=False))
+        # uvicorn installs its own handlers when it runs; a signal that came before that stops it all the same.
+        def stop_server() -> None:
+            stop.wait()
+            server.should_exit = True
+
+        threading.Thread(target=stop_server, name="api-stop", daemon=True).start()
         server.run(sockets=[listener])
     finally:
         if writer is not None:

@@ -1,13 +1,16 @@
 """``stepstream up``: a whole local system in one command, stopped cleanly by SIGTERM or Ctrl-C.
 
 It starts the local broker if no cluster is configured, the demo's order service, and every service as
-its own process (projector, scheduler, one agent per agent the workflows name, supervisor), then waits.
+its own process (projector, scheduler, one agent per agent the workflows name, supervisor, and the API
+with the dashboard on STEPSTREAM_API_PORT, or a free port when that one is taken), then waits.
 On SIGTERM it drains them newest first and reports each exit code.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import socket
 import time
 from pathlib import Path
 
@@ -21,10 +24,12 @@ from eventstore.kafka_config import connection_config
 from eventstore.settings import ConsumerSettings, KafkaSettings
 from eventstore.shutdown import GracefulShutdown
 from eventstore.topics import TopicLayout, ensure_topics
+from projections.settings import ApiSettings
 from scheduler.settings import SchedulerSettings
 from stepstream.processes import ServiceProcesses, child_env
 
 READY_MARKER = "stepstream is up"
+API_MARKER = "api listening on"
 
 
 def up_state_file(home: Path) -> Path:
@@ -45,19 +50,23 @@ def run_up(service_port: int | None = None) -> int:
                              log_path=home / "logs" / "orders-service.log").start()
     procs = ServiceProcesses(child_env(STEPSTREAM_BOOTSTRAP_SERVERS=bootstrap, STEPSTREAM_HOME=str(home),
                                        STEPSTREAM_AGENT_SERVICE_URL=service.base_url), home / "logs")
-    names = ["projector", "scheduler", *agents, "supervisor"]
+    names = ["projector", "scheduler", *agents, "supervisor", "api"]
     dead: list[str] = []
     try:
-        for name in names:
+        for name in names[:-1]:
             procs.service(name, *(("agent", name) if name in agents else (name,)))
-        for name in names:
+        procs.start("api", "stepstream", "serve", "api", "--port", str(_api_port()))
+        for name in names[:-1]:
             procs.wait_started(name)
+        procs.wait_started("api", API_MARKER)
+        api_url = re.findall(API_MARKER + r" (http://\S+)", procs.log("api"))[0]
         up_state_file(home).write_text(json.dumps({
             "bootstrap": bootstrap, "service_url": service.base_url, "topic_prefix": layout.prefix,
-            "pids": {name: proc.pid for name, proc in procs.procs.items()},
+            "api_url": api_url, "pids": {name: proc.pid for name, proc in procs.procs.items()},
         }))
         console.print(f"{READY_MARKER}: kafka {bootstrap}, order service {service.base_url}, "
-                      f"services {', '.join(names)}; logs in {home / 'logs'}", highlight=False)
+                      f"dashboard and API {api_url}, services {', '.join(names)}; logs in {home / 'logs'}",
+                      highlight=False)
         while not stop.wait(0.5):
             dead = [name for name in names if not procs.alive(name)]
             if dead:
@@ -69,6 +78,18 @@ def run_up(service_port: int | None = None) -> int:
         up_state_file(home).unlink(missing_ok=True)
     console.print("stopped: " + ", ".join(f"{name} exit {code}" for name, code in codes.items()), highlight=False)
     return 0 if not dead and all(code == 0 for code in codes.values()) else 1
+
+
+def _api_port() -> int:
+    """The configured API port, or any free one when it is taken (a second system on this machine)."""
+    port = ApiSettings().port
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((ApiSettings().host, port))
+        except OSError:
+            return 0
+    return port
 
 
 def wait_until_up(home: Path, timeout_s: float = 120.0) -> dict[str, object]:

@@ -15,6 +15,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import orjson
+import structlog
 from rich.console import Console
 
 from eventstore.errors import StepstreamError
@@ -156,6 +157,7 @@ def serve_api(*, host: str | None, port: int | None) -> int:
     settings = ApiSettings()
     observability = ObservabilitySettings()
     configure_logging(observability.log_level, observability.log_json)
+    structlog.get_logger("stepstream.api").info("service starting", service="api")
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -170,7 +172,12 @@ def serve_api(*, host: str | None, port: int | None) -> int:
         print(f"stepstream: lag is not measured, writes are off: {exc}", file=sys.stderr)
         lag = None
     store = StoreSettings().open(kafka.home)
-    writer = _task_writer(kafka, layout, store, lag, settings) if lag is not None else None
+    if settings.tokens and lag is None:
+        store.close()
+        raise UsageError("STEPSTREAM_API_TOKENS: the write endpoints need a Kafka cluster "
+                         "(STEPSTREAM_BOOTSTRAP_SERVERS, or `stepstream broker start`)")
+    # No token, no writes: the API then serves the store without any Kafka client of the write side.
+    writer = _task_writer(kafka, layout, store, lag, settings) if settings.tokens and lag is not None else None
     try:
         # Listen before announcing the address: a client that reads it and connects at once is queued, not
         # refused, while the app is still starting.
@@ -178,9 +185,8 @@ def serve_api(*, host: str | None, port: int | None) -> int:
         bound_host, bound_port = listener.getsockname()[:2]
         print(f"api listening on http://{bound_host}:{bound_port} (store {store.describe()})", file=sys.stderr,
               flush=True)
-        routers = [] if writer is None else [write_router(writer, settings)]
-        server = _draining_server_class()(uvicorn.Config(create_app(store, layout, lag, routers),
-                                                         log_level="warning", access_log=False))
+        app = create_app(store, layout, lag, [write_router(writer, settings)])
+        server = _draining_server_class()(uvicorn.Config(app, log_level="warning", access_log=False))
         # uvicorn installs its own handlers when it runs; a signal that came before that stops it all the same.
         def stop_server() -> None:
             stop.wait()

@@ -59,15 +59,20 @@ def project(db: Executor, event: Event) -> None:
     match event:
         case TaskAccepted() | TaskRejected():
             status = "accepted" if isinstance(event, TaskAccepted) else "rejected"
-            # A rejected task submitted again is admitted (or rejected) again: the same row, updated. One
-            # statement (no read of a row count): PostgreSQL pipelines a batch's statements.
+            error = event.reason if isinstance(event, TaskRejected) else None
+            # A rejected task submitted again is admitted (or rejected) again: its row is updated. Any other
+            # existing row makes the insert fail: a second admission is refused like any constraint breach.
+            # No row count is read (PostgreSQL pipelines a batch's statements): the insert skips the row the
+            # update just made current.
+            db.execute("update tasks set status = ?, sequence = ?, updated_at = ?, error = ? "
+                       "where task_id = ? and status = 'rejected'",
+                       (status, event.sequence, at, error, event.task_id))
             db.execute(
                 "insert into tasks(task_id, workflow, workflow_version, status, sequence, failure_count, "
-                "created_at, updated_at, error) values (?, ?, ?, ?, ?, 0, ?, ?, ?) "
-                "on conflict(task_id) do update set status = excluded.status, sequence = excluded.sequence, "
-                "updated_at = excluded.updated_at, error = excluded.error where tasks.status = 'rejected'",
-                (event.task_id, event.workflow, event.workflow_version, status, event.sequence, at, at,
-                 event.reason if isinstance(event, TaskRejected) else None),
+                "created_at, updated_at, error) select ?, ?, ?, ?, ?, 0, ?, ?, ? where not exists "
+                "(select 1 from tasks where task_id = ? and sequence = ? and updated_at = ?)",
+                (event.task_id, event.workflow, event.workflow_version, status, event.sequence, at, at, error,
+                 event.task_id, event.sequence, at),
             )
             return
         case StepStarted():

@@ -97,3 +97,5 @@ class ApiSettings(BaseSettings):
     delivery_timeout_s: float = Field(default=10.0, gt=0, description="how long a write waits for Kafka's "
                                                                       "acknowledgement before a 503")
     admission_refresh_s: float = Field(default=1.0, gt=0, description="how often the global estimate is read")
+    max_body_bytes: int = Field(default=1_000_000, ge=1024, description="largest write request body (Kafka's "
+                                                                        "default message size is about 1 MB)")

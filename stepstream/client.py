@@ -68,6 +68,9 @@ class Client:
         self.store_path = store_path
         self._producer = EventProducer(self.bootstrap)
         self._store: Store | None = None
+        # Per task submitted here, the store's sequence of it at that moment: a rejection recorded before a
+        # retry is not the answer to the retry (a rejected task submitted again asks for admission again).
+        self._seen_at_submit: dict[str, int] = {}
         if submitter is not None:
             if not submitter.replace("-", "").replace("_", "").isalnum():
                 raise InvalidSubmission("submitter", "letters, digits, '-' and '_' only")
@@ -84,6 +87,8 @@ class Client:
         """Produce a submission and wait until Kafka has it (acks=all). Returns the task id."""
         command = build_submission(workflow, input, version=version, task_id=task_id, submitter=self.submitter,
                                    reply_topic=self.reply_topic if self.submitter else None)
+        known = self.status(command.task_id) if task_id is not None else None
+        self._seen_at_submit[command.task_id] = known["sequence"] if known else 0
         self._producer.send(self.layout.inbox, command)
         self._producer.flush()
         return command.task_id
@@ -117,6 +122,9 @@ class Client:
         deadline = time.monotonic() + timeout_s
         while True:
             task = self.status(task_id)
+            if task is not None and task["status"] == "rejected" and \
+                    task["sequence"] <= self._seen_at_submit.get(task_id, -1):
+                task = None  # the rejection of an earlier submission: this one is not decided yet
             if task is not None and task["status"] in TERMINAL:
                 if task["status"] == "rejected":
                     raise SubmissionRejected(f"task {task_id} was rejected: {task.get('error')}")

@@ -32,6 +32,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import Counter
 from pydantic import BaseModel, ConfigDict, Field
 
+from eventstore.errors import InfrastructureError
 from eventstore.kafka_config import connection_config, producer_config
 from eventstore.topics import TopicLayout
 from projections.lag import LagReader
@@ -48,6 +49,7 @@ from schemas.messages import (
     OperatorAction,
     OperatorAlert,
     OperatorCommand,
+    SubmitTask,
     TaskAccepted,
     TaskRejected,
     new_id,
@@ -66,20 +68,24 @@ ANSWERS = Counter("stepstream_api_writes_total", "Write requests by endpoint and
 class SubmissionRequest(BaseModel):
     """A task to run. ``task_id`` is the idempotency key: send the same one again to retry safely."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"workflow": "orders", "input": {"order_id": "o-1", "sku": "A-1", "qty": 1, "amount": 10},
+         "task_id": "order-o-1"}]})
 
     workflow: str = Field(min_length=1, max_length=200)
     version: int | None = Field(default=None, ge=1, description="workflow version; omitted: the latest")
     input: dict[str, Any]
     task_id: str | None = Field(default=None, min_length=1, max_length=200, description="default: a new id")
     submitter: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]{1,100}$",
-                                  description="name of the private reply topic that gets progress updates")
+                                  description="the private reply topic that gets progress updates: the token "
+                                              "holder's own (the default); another name is refused (403)")
 
 
 class CommandRequest(BaseModel):
     """An operator command on one task. ``command_id`` is its idempotency key (default: a new one)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"action": "compensate", "command_id": "undo-order-o-1"}]})
 
     action: OperatorAction
     step: str | None = Field(default=None, min_length=1, max_length=200,
@@ -120,7 +126,8 @@ class BearerTokens:
             raise _unauthorized("invalid bearer token")
         return matches[0]
 
-    def route_class(self) -> type[APIRoute]:
+    def route_class(self, max_body_bytes: int) -> type[APIRoute]:
+        """Routes that check the token first, then the declared body size, then hand over to FastAPI."""
         tokens = self
 
         class AuthenticatedRoute(APIRoute):
@@ -129,6 +136,10 @@ class BearerTokens:
 
                 async def authenticated(request: Request) -> Response:
                     request.state.token_holder = tokens.holder(request.headers.get("authorization"))
+                    declared = request.headers.get("content-length", "0")
+                    if not declared.isdigit() or int(declared) > max_body_bytes:
+                        raise HTTPException(413, f"the body may have at most {max_body_bytes} bytes "
+                                                 "(STEPSTREAM_API_MAX_BODY_BYTES)")
                     return await handler(request)
 
                 return authenticated
@@ -165,9 +176,10 @@ class DecisionWatcher:
     only at the first fetch): every event of a command produced after ``start()`` returns is seen.
     """
 
-    def __init__(self, bootstrap: str, topic: str) -> None:
+    def __init__(self, bootstrap: str, topic: str, group_prefix: str = "") -> None:
+        """``group_prefix``: the deployment's topic prefix, so one prefixed ACL covers the (unused) group."""
         self.topic = topic
-        self._consumer = Consumer({**connection_config(bootstrap), "group.id": f"api-watch-{new_id()}",
+        self._consumer = Consumer({**connection_config(bootstrap), "group.id": f"{group_prefix}api-watch-{new_id()}",
                                    "enable.auto.commit": False, "isolation.level": "read_committed"})
         self._waiters: dict[str, list[_Waiter]] = {}
         self._lock = threading.Lock()
@@ -181,16 +193,22 @@ class DecisionWatcher:
             try:
                 self._consumer.assign(self._end_offsets(timeout_s))
                 break
-            except KafkaException:
+            except KafkaException as exc:
                 # A topic just created has no leader for a moment (NOT_LEADER_FOR_PARTITION, which librdkafka
                 # does not flag retriable here); past the deadline the error stands.
                 if time.monotonic() > deadline:
-                    raise
+                    raise InfrastructureError(f"cannot follow {self.topic} for the scheduler's answers: {exc} "
+                                              "(are the topics created? `stepstream topics create`)") from exc
                 time.sleep(0.2)
         self._thread.start()
 
     def _end_offsets(self, timeout_s: float) -> list[TopicPartition]:
-        partitions = self._consumer.list_topics(self.topic, timeout=timeout_s).topics[self.topic].partitions
+        metadata = self._consumer.list_topics(self.topic, timeout=timeout_s).topics[self.topic]
+        if metadata.error is not None:
+            raise KafkaException(metadata.error)
+        partitions = metadata.partitions
+        if not partitions:
+            raise KafkaException(KafkaError(KafkaError.UNKNOWN_TOPIC_OR_PART, f"{self.topic} has no partitions"))
         return [TopicPartition(self.topic, p, self._consumer.get_watermark_offsets(
             TopicPartition(self.topic, p), timeout=timeout_s)[1]) for p in sorted(partitions)]
 
@@ -244,36 +262,50 @@ class DecisionWatcher:
 class GlobalAdmission:
     """The API's bound on tasks in flight across every scheduler partition.
 
-    The estimate is the non-terminal tasks the state store holds plus the records the scheduler has not
-    consumed from ``inbox`` yet (submissions it has not decided), read at most every ``refresh_s``; the
-    submissions this API let through since the last reading are added, so a burst between readings cannot
-    overshoot. The scheduler's per-partition bound still applies behind it.
+    The estimate is the non-terminal tasks the state store holds, plus the records the scheduler has not
+    consumed from ``inbox`` yet, plus every submission this API let through that the store does not show
+    yet (a task the scheduler decided but the projector has not written is in neither of the first two).
+    Store and backlog are read at most every ``refresh_s``; the let-through ones are counted until the
+    store shows them, or the scheduler refused them, or ``forget_after_s`` passed. Counting a task twice
+    (let through and in the backlog) only errs on the side of refusing. The scheduler's per-partition
+    bound still applies behind it.
     """
 
     def __init__(self, store: Store, lag: LagReader | None, layout: TopicLayout, bound: int,
-                 refresh_s: float = 1.0) -> None:
+                 refresh_s: float = 1.0, forget_after_s: float = 300.0) -> None:
         self.store = store
         self.lag = lag
         self.layout = layout
         self.bound = bound
         self.refresh_s = refresh_s
+        self.forget_after_s = forget_after_s
         self._lock = threading.Lock()
         self._read_at = float("-inf")
-        self._estimate = 0
+        self._measured = 0
+        self._let_through: dict[str, float] = {}
 
-    def refuse(self) -> str | None:
-        """Why a submission must wait (None: let it through, counted)."""
+    def refuse(self, task_id: str) -> str | None:
+        """Why a submission must wait (None: it is let through, and counted until the store shows it)."""
         with self._lock:
-            if time.monotonic() - self._read_at >= self.refresh_s:
-                self._estimate = self._measure()
-                self._read_at = time.monotonic()
-            if self._estimate >= self.bound:
-                return (f"admission control: about {self._estimate} tasks in flight or waiting, "
-                        f"the limit is {self.bound}")
-            self._estimate += 1
+            now = time.monotonic()
+            if now - self._read_at >= self.refresh_s:
+                self._measured = self._measure(now)
+                self._read_at = now
+            estimate = self._measured + len(self._let_through)
+            if estimate >= self.bound:
+                return f"admission control: about {estimate} tasks in flight or waiting, the limit is {self.bound}"
+            self._let_through[task_id] = now
             return None
 
-    def _measure(self) -> int:
+    def release(self, task_id: str) -> None:
+        """A let-through submission that will not become a task in flight (refused, or never delivered)."""
+        with self._lock:
+            self._let_through.pop(task_id, None)
+
+    def _measure(self, now: float) -> int:
+        for task_id, since in list(self._let_through.items()):
+            if now - since > self.forget_after_s or self.store.task(task_id) is not None:
+                del self._let_through[task_id]
         live = sum(n for state, n in self.store.counts_by_status().items() if state not in TERMINAL)
         backlog = 0
         if self.lag is not None:
@@ -299,7 +331,12 @@ class Answer:
 
 
 class DeliveryFailed(Exception):
-    """Kafka did not take the message in time."""
+    """Kafka did not take the message (in time): it may still be delivered later."""
+
+    def __init__(self, task_id: str, reason: str, *, too_large: bool = False) -> None:
+        super().__init__(reason)
+        self.task_id = task_id
+        self.too_large = too_large
 
 
 class TaskWriter:
@@ -315,7 +352,7 @@ class TaskWriter:
         self._codec = default_codec()
         # Each request waits for its own message's report: successes must be reported too.
         self._producer = Producer(producer_config(bootstrap, **{"delivery.report.only.error": False}))
-        self.watcher = DecisionWatcher(bootstrap, layout.events)
+        self.watcher = DecisionWatcher(bootstrap, layout.events, layout.prefix)
         self.watcher.start()
         self._closed = threading.Event()
         self._poller = threading.Thread(target=self._serve_deliveries, name="delivery-reports", daemon=True)
@@ -329,47 +366,67 @@ class TaskWriter:
 
     # -- submissions --
 
-    def submit(self, request: SubmissionRequest) -> Answer:
+    def submit(self, request: SubmissionRequest, holder: str) -> Answer:
+        """``holder`` is who presented the token: the reply topic a submission may name is the holder's own."""
+        if request.submitter is not None and request.submitter != holder:
+            return Answer(403, {"detail": f"submitter {request.submitter!r}: a token of {holder!r} may only name "
+                                          f"its own reply topic ({holder!r}, the default)"})
         try:
-            workflow = self.registry.get(request.workflow, request.version)
+            self.registry.get(request.workflow, request.version)
         except WorkflowNotFoundError as exc:
             if self._known(request.workflow):
                 raise _invalid("version", str(exc), request.version) from None
             raise _invalid("workflow", str(exc), request.workflow) from None
         try:
             command = build_submission(request.workflow, request.input, version=request.version,
-                                       task_id=request.task_id, submitter=request.submitter,
-                                       reply_topic=self.layout.status(request.submitter) if request.submitter else None)
+                                       task_id=request.task_id, submitter=holder,
+                                       reply_topic=self.layout.status(holder))
         except InvalidSubmission as exc:
             raise _invalid(exc.field, exc.reason, None) from None
-        existing = self.store.task(command.task_id)
-        if existing is not None:
-            repeat = self._same_submission(existing, command.workflow, request.version, command.input)
-            if not repeat:
-                return Answer(409, {"task_id": command.task_id, "status": existing["status"],
-                                    "detail": f"task {command.task_id!r} exists with other data "
-                                              f"({existing['workflow']} v{existing['workflow_version']}); "
-                                              "nothing was submitted"})
-            if existing["status"] != "rejected":
-                return Answer(200, self._task_body(command.task_id, existing["status"], existing["workflow"],
-                                                   existing["workflow_version"]), self._location(command.task_id))
-        refusal = self.admission.refuse()
+        known = self._known_task(command, request.version)
+        if known is not None:
+            return known
+        refusal = self.admission.refuse(command.task_id)
         if refusal is not None:
             return self._too_busy(command.task_id, refusal)
-        with self.watcher.expect(command.message_id) as waiter:
-            self._deliver(command)
-            waiter.done.wait(self.settings.decision_timeout_s)
+        try:
+            with self.watcher.expect(command.message_id) as waiter:
+                self._deliver(command)
+                waiter.done.wait(self.settings.decision_timeout_s)
+        except DeliveryFailed:
+            self.admission.release(command.task_id)
+            raise
         match waiter.event:
             case TaskAccepted():
-                return Answer(201, self._task_body(command.task_id, "accepted", workflow.name, workflow.version),
-                              self._location(command.task_id))
+                return Answer(201, self._task_body(command.task_id, "accepted", waiter.event.workflow,
+                                                   waiter.event.workflow_version), self._location(command.task_id))
             case TaskRejected(reason=reason):
+                self.admission.release(command.task_id)
                 return self._too_busy(command.task_id, reason)
             case OperatorAlert(reason=reason):
+                self.admission.release(command.task_id)
                 return Answer(409, {"task_id": command.task_id, "detail": reason})
-        return Answer(202, {**self._task_body(command.task_id, "submitted", workflow.name, workflow.version),
-                            "detail": "on the log; the scheduler has not answered yet: follow the task at its "
-                                      "location"}, self._location(command.task_id))
+        # No event: still deciding, or a repeat the scheduler ignored (the store may show the task by now).
+        return self._known_task(command, request.version) or Answer(
+            202, {"task_id": command.task_id, "status": "submitted", "location": f"/api/tasks/{command.task_id}",
+                  "detail": "on the log; the scheduler has not answered yet: follow the task at its location"},
+            self._location(command.task_id))
+
+    def _known_task(self, command: SubmitTask, version: int | None) -> Answer | None:
+        """The answer the state store gives on its own: 200 for a repeat, 409 for other data (None: not
+        known, or rejected before and so asking for admission again)."""
+        existing = self.store.task(command.task_id)
+        if existing is None:
+            return None
+        if not self._same_submission(existing, command.workflow, version, command.input):
+            return Answer(409, {"task_id": command.task_id, "status": existing["status"],
+                                "detail": f"task {command.task_id!r} exists with other data "
+                                          f"({existing['workflow']} v{existing['workflow_version']}); "
+                                          "nothing was submitted"})
+        if existing["status"] == "rejected":
+            return None
+        return Answer(200, self._task_body(command.task_id, existing["status"], existing["workflow"],
+                                           existing["workflow_version"]), self._location(command.task_id))
 
     def _known(self, name: str) -> bool:
         try:
@@ -447,34 +504,45 @@ class TaskWriter:
                 failure.append(err)
             delivered.set()
 
-        self._producer.produce(self.layout.inbox, self._codec.encode(message), message.task_id,
-                               on_delivery=on_delivery)
+        try:
+            self._producer.produce(self.layout.inbox, self._codec.encode(message), message.task_id,
+                                   on_delivery=on_delivery)
+        except KafkaException as exc:
+            too_large = exc.args[0].code() == KafkaError.MSG_SIZE_TOO_LARGE
+            raise DeliveryFailed(message.task_id, exc.args[0].str(), too_large=too_large) from None
+        except BufferError:
+            raise DeliveryFailed(message.task_id, "the producer's queue is full") from None
         if not delivered.wait(self.settings.delivery_timeout_s) or failure:
             reason = failure[0].str() if failure else f"no acknowledgement within {self.settings.delivery_timeout_s}s"
-            raise DeliveryFailed(reason)
+            raise DeliveryFailed(message.task_id, reason,
+                                 too_large=bool(failure) and failure[0].code() == KafkaError.MSG_SIZE_TOO_LARGE)
 
     def _serve_deliveries(self) -> None:
         while not self._closed.is_set():
             self._producer.poll(0.1)
 
 
-def write_router(writer: TaskWriter, settings: ApiSettings) -> APIRouter:
-    router = APIRouter(tags=["writes"], route_class=BearerTokens(settings).route_class())
+def write_router(writer: TaskWriter | None, settings: ApiSettings) -> APIRouter:
+    """The write endpoints. Without a writer (no token configured, so no Kafka client either) every write
+    is refused by the token check before it could need one."""
+    router = APIRouter(tags=["writes"], route_class=BearerTokens(settings).route_class(settings.max_body_bytes))
     unavailable: dict[int | str, dict[str, Any]] = {
         400: {"description": "the body is not JSON"},
+        413: {"description": "the body is larger than STEPSTREAM_API_MAX_BODY_BYTES, or than Kafka takes"},
         503: {"description": "Kafka did not take the message; retry after Retry-After"}}
 
     @router.post("/api/tasks", status_code=201, responses={
         200: {"description": "a repeat of a known submission: nothing new submitted"},
         202: {"description": "on the log, the scheduler has not answered yet"},
         401: {"description": "no valid bearer token: nothing submitted"},
+        403: {"description": "the submitter named is not the token holder's: nothing submitted"},
         409: {"description": "the task id exists with other data: nothing submitted"},
         429: {"description": "admission control refused the task: retry after Retry-After, same task id"},
         **unavailable,
     })
     def submit_task(request: SubmissionRequest, who: Annotated[str, Depends(token_holder)]) -> JSONResponse:
         """Submit a task; the answer is the scheduler's decision (or 202 if it takes longer)."""
-        answer = _guard(lambda: writer.submit(request), settings)
+        answer = _guard(lambda: _require(writer).submit(request, who), settings)
         ANSWERS.labels("submit", str(answer.status_code)).inc()
         log.info("submission answered", task_id=request.task_id, workflow=request.workflow, by=who,
                  status=answer.status_code)
@@ -490,7 +558,7 @@ def write_router(writer: TaskWriter, settings: ApiSettings) -> APIRouter:
     def command_task(task_id: str, request: CommandRequest, who: Annotated[str, Depends(token_holder)]) -> JSONResponse:
         """An operator command (resubmit, compensate, cancel, retry-compensation); the operator is the
         token's name."""
-        answer = _guard(lambda: writer.command(task_id, request, who), settings)
+        answer = _guard(lambda: _require(writer).command(task_id, request, who), settings)
         ANSWERS.labels("command", str(answer.status_code)).inc()
         log.info("operator command answered", task_id=task_id, action=request.action, by=who,
                  status=answer.status_code)
@@ -499,12 +567,20 @@ def write_router(writer: TaskWriter, settings: ApiSettings) -> APIRouter:
     return router
 
 
+def _require(writer: TaskWriter | None) -> TaskWriter:
+    if writer is None:
+        raise HTTPException(503, "writes are not configured in this process")
+    return writer
+
+
 def _guard(call: Callable[[], Answer], settings: ApiSettings) -> JSONResponse:
     try:
         return call().response()
     except DeliveryFailed as exc:
-        log.warning("message not delivered", error=str(exc))
-        return JSONResponse({"detail": f"the event log did not take the message: {exc}"}, 503,
-                            {"Retry-After": str(settings.retry_after_s)})
-
-
+        if exc.too_large:
+            return JSONResponse({"task_id": exc.task_id, "detail": f"too large for the event log: {exc}"}, 413)
+        log.warning("message not delivered", task_id=exc.task_id, error=str(exc))
+        return JSONResponse({"task_id": exc.task_id, "location": f"/api/tasks/{exc.task_id}",
+                             "detail": f"the event log did not acknowledge the message ({exc}); it may still "
+                                       "arrive: retry with the same task_id (and command_id), never a new one"},
+                            503, {"Retry-After": str(settings.retry_after_s)})

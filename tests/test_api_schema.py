@@ -1,5 +1,6 @@
 """schemathesis against the published OpenAPI schema: generated requests to every operation, read and
-write, over a real store and a real broker. No 5xx, and every answer is one the schema documents."""
+write, over real stores, a real broker and a running scheduler. No 5xx, and every answer is one the
+schema documents."""
 
 from __future__ import annotations
 
@@ -17,34 +18,39 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from eventstore.topics import TopicLayout
 from projections.api import create_app
 from projections.lag import LagReader
 from projections.settings import ApiSettings
 from projections.store import Positioned, SqliteStore
 from stepstream.task_api import GlobalAdmission, TaskWriter, write_router
 from tests.histories import histories
+from tests.system import System
 from tests.workflows import REGISTRY
 
 TOKEN = {"Authorization": "Bearer schema-token"}
 
 
 @pytest.fixture
-def api_schema(bootstrap: str, layout: TopicLayout, tmp_path: Path) -> Iterator[schemathesis.Schema]:
-    store = SqliteStore(tmp_path / "state.db")
+def api_schema(system: System, tmp_path: Path) -> Iterator[schemathesis.Schema]:
+    """Reads over a store seeded with many histories; writes decided by a running scheduler (its answers
+    checked against its own store), so 201, 200, 409 and 429 paths are reached, not only 202."""
+    system.start("projector", "scheduler")
+    seeded = SqliteStore(tmp_path / "seeded.db")
     events = histories(40, seed=5, in_flight_every=7, start=datetime.now(UTC) - timedelta(minutes=5))
-    store.apply_events(layout.events, [Positioned(0, i, e) for i, e in enumerate(events)])
-    api_settings = ApiSettings(tokens={"fuzzer": "schema-token"}, decision_timeout_s=0.05, max_in_flight=1_000)
-    lag = LagReader(bootstrap, layout.prefix)
-    admission = GlobalAdmission(store, lag, layout, api_settings.max_in_flight)
-    writer = TaskWriter(bootstrap=bootstrap, layout=layout, store=store, registry=REGISTRY, admission=admission,
-                        settings=api_settings)
-    app = create_app(store, layout, lag, [write_router(writer, api_settings)])
+    seeded.apply_events(system.layout.events, [Positioned(0, i, e) for i, e in enumerate(events)])
+    live = SqliteStore(system.store_path)
+    api_settings = ApiSettings(tokens={"fuzzer": "schema-token"}, decision_timeout_s=5, max_in_flight=1_000)
+    lag = LagReader(system.bootstrap, system.layout.prefix)
+    admission = GlobalAdmission(live, lag, system.layout, api_settings.max_in_flight)
+    writer = TaskWriter(bootstrap=system.bootstrap, layout=system.layout, store=live, registry=REGISTRY,
+                        admission=admission, settings=api_settings)
+    app = create_app(seeded, system.layout, lag, [write_router(writer, api_settings)])
     try:
         yield schemathesis.openapi.from_asgi("/openapi.json", app)
     finally:
         writer.close()
-        store.close()
+        live.close()
+        seeded.close()
 
 
 schema = schemathesis.pytest.from_fixture("api_schema")

@@ -48,7 +48,7 @@ def test_a_batch_is_applied_with_its_offsets_and_records_below_them_are_skipped(
 def test_a_record_a_constraint_refuses_is_recorded_once_and_the_rest_of_its_batch_applies(store: Store) -> None:
     accepted = TaskAccepted(task_id="dup", sequence=1, workflow="orders", workflow_version=1, causation_id="c",
                             input={}, input_digest="d")
-    clash = accepted.model_copy(update={"message_id": "other"})  # a second event with sequence 1
+    clash = accepted.model_copy(update={"sequence": 2, "message_id": "other"})  # a second TaskAccepted
     events = [accepted, clash, *histories(2, seed=2)]
     result = store.apply_events(TOPIC, positioned(events, partition=1))
     assert (result.applied, result.rejected) == (len(events) - 1, 1)

@@ -87,7 +87,7 @@ def test_a_submitter_following_its_reply_topic_hears_its_own_tasks_from_received
         assert statuses.count("step_succeeded") == 3
 
 
-def test_past_the_in_flight_bound_submissions_are_rejected_visibly_and_admitted_ones_complete(
+def test_past_the_in_flight_bound_submissions_are_rejected_visibly_and_admitted_when_retried_later(
     system: System,
 ) -> None:
     system.env["STEPSTREAM_SCHEDULER_MAX_IN_FLIGHT"] = "1"  # per inbox partition: at most 3 in flight
@@ -110,6 +110,10 @@ def test_past_the_in_flight_bound_submissions_are_rejected_visibly_and_admitted_
         system.admin.clear_faults("inventory/reserve")
         for task_id in admitted:
             assert client.wait(task_id, timeout_s=90)["status"] == "completed"
+        # Submitted again under the same id once there is room, a rejected task is admitted; waiting on the
+        # retry is not answered by the earlier rejection.
+        client.submit("orders", {**ORDER, "order_id": rejected[0]}, version=1, task_id=rejected[0])
+        assert client.wait(rejected[0], timeout_s=60)["status"] == "completed"
 
 
 def _cli(system: System, *args: str) -> subprocess.CompletedProcess[str]:

@@ -17,7 +17,7 @@ from projections.lag import LagReader
 from projections.settings import ApiSettings
 from projections.store import SqliteStore
 from schemas.codec import default_codec
-from schemas.messages import OperatorCommand, SubmitTask, TaskAccepted
+from schemas.messages import OperatorCommand, StatusUpdate, SubmitTask, TaskAccepted
 from stepstream.task_api import GlobalAdmission, TaskWriter, write_router
 from tests.kafka_helpers import read_all, wait_for
 from tests.system import TERMINAL, System
@@ -85,6 +85,23 @@ def test_a_posted_task_gets_201_its_repeat_200_and_it_runs_once(system: System, 
     assert len([e for e in system.events("http-1") if isinstance(e, TaskAccepted)]) == 1
     assert system.admin.applied_for("payments/charge", "http-1:charge") == 1
     assert len(inbox(system.layout, system.bootstrap)) == 1, "the repeat produced nothing"
+    codec = default_codec()
+    updates = [codec.decode(m.value()) for m in read_all(system.bootstrap, system.layout.status("shop"),
+                                                         expect=5, timeout_s=10)]
+    statuses = [u.status for u in updates if isinstance(u, StatusUpdate) and u.task_id == "http-1"]
+    assert statuses[0] == "received" and statuses[-1] == "completed", "the token holder's reply topic"
+
+
+def test_a_token_may_only_name_its_own_reply_topic(system: System, api: Api) -> None:
+    refused = api.submit("someone-else", submitter="ops")
+    assert refused.status_code == 403 and "own reply topic" in refused.json()["detail"]
+    assert inbox(system.layout, system.bootstrap) == []
+
+
+def test_a_body_past_the_size_limit_gets_413_and_nothing_reaches_kafka(system: System, api: Api) -> None:
+    refused = api.submit("too-big", {"blob": "x" * 1_100_000})
+    assert refused.status_code == 413, refused.text
+    assert inbox(system.layout, system.bootstrap) == []
 
 
 def test_the_same_id_with_other_data_gets_409_and_nothing_reaches_kafka(system: System, api: Api) -> None:
@@ -228,3 +245,30 @@ def test_the_served_api_process_takes_submissions_over_http_and_drains_on_sigter
         assert http.get("/api/tasks/served").json()["status"] == "completed"
         assert 'stepstream_api_writes_total{answer="201",endpoint="submit"} 1.0' in http.get("/metrics").text
     assert system.procs.terminate("api") == 0
+
+
+def test_the_api_process_stopped_by_sigterm_during_start_up_exits_0(system: System) -> None:
+    system.env["STEPSTREAM_API_TOKENS"] = '{"shop": "shop-secret"}'  # so it connects to Kafka while starting
+    system.procs.start("api", "stepstream", "serve", "api", "--port", "0")
+    system.procs.wait_started("api")  # armed: from here a SIGTERM is a stop, even before it listens
+    assert system.procs.terminate("api") == 0, system.procs.log("api")[-2000:]
+
+
+def test_a_submission_retried_after_the_api_was_killed_mid_request_runs_once(system: System) -> None:
+    system.env["STEPSTREAM_API_TOKENS"] = '{"shop": "shop-secret"}'
+    system.env["STEPSTREAM_API_DECISION_TIMEOUT_S"] = "30"
+    system.start("projector", "scheduler")  # no agents yet: the task stays in flight
+    body = {"workflow": "orders", "version": 1, "input": {**ORDER, "order_id": "killed"}, "task_id": "killed"}
+    with system.start_api() as http:
+        posting = threading.Thread(target=lambda: http.post("/api/tasks", json=body, headers=SHOP), daemon=True)
+        posting.start()
+        time.sleep(0.3)
+        system.procs.kill("api")  # SIGKILL while the request waits for the scheduler
+        posting.join(10)
+    with system.start_api() as http:  # the client retries with the same task id, as Retry-After tells it
+        retried = http.post("/api/tasks", json=body, headers=SHOP)
+        assert retried.status_code in (200, 201), retried.text
+    system.start("inventory", "payments", "shipping")
+    assert system.wait_terminal(["killed"]) == {"killed": "completed"}
+    assert len([e for e in system.events("killed") if isinstance(e, TaskAccepted)]) == 1
+    assert system.admin.applied_for("payments/charge", "killed:charge") == 1

@@ -272,3 +272,12 @@ def test_a_submission_retried_after_the_api_was_killed_mid_request_runs_once(sys
     assert system.wait_terminal(["killed"]) == {"killed": "completed"}
     assert len([e for e in system.events("killed") if isinstance(e, TaskAccepted)]) == 1
     assert system.admin.applied_for("payments/charge", "killed:charge") == 1
+
+
+def test_without_tokens_the_api_serves_reads_with_no_kafka_cluster_and_refuses_writes(system: System) -> None:
+    system.env["STEPSTREAM_BOOTSTRAP_SERVERS"] = "127.0.0.1:1"  # nothing listens there
+    with system.start_api() as http:
+        assert http.get("/api/counts").status_code == 200
+        refused = http.post("/api/tasks", json={"workflow": "orders", "input": ORDER}, headers=SHOP)
+        assert refused.status_code == 401 and "no API token is configured" in refused.json()["detail"]
+    assert system.procs.terminate("api") == 0

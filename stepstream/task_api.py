@@ -33,7 +33,7 @@ from prometheus_client import Counter
 from pydantic import BaseModel, ConfigDict, Field
 
 from eventstore.errors import InfrastructureError
-from eventstore.kafka_config import connection_config, producer_config
+from eventstore.kafka_config import connection_config, consume_available, producer_config
 from eventstore.topics import TopicLayout
 from projections.lag import LagReader
 from projections.settings import ApiSettings
@@ -236,7 +236,7 @@ class DecisionWatcher:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            for record in self._consumer.consume(500, 0.2):
+            for record in consume_available(self._consumer, 500, 0.2):  # each answer as soon as it is there
                 if record.error() is not None:
                     if record.error().code() != KafkaError._PARTITION_EOF:
                         log.warning("events not read", error=str(record.error()))
@@ -350,8 +350,10 @@ class TaskWriter:
         self.admission = admission
         self.settings = settings
         self._codec = default_codec()
-        # Each request waits for its own message's report: successes must be reported too.
-        self._producer = Producer(producer_config(bootstrap, **{"delivery.report.only.error": False}))
+        # Each request waits for its own message's report: successes must be reported too. A request waits
+        # for that one message, so lingering to batch would only add its 5 ms to every answer.
+        self._producer = Producer(producer_config(bootstrap, **{"delivery.report.only.error": False,
+                                                                "linger.ms": 0}))
         self.watcher = DecisionWatcher(bootstrap, layout.events, layout.prefix)
         self.watcher.start()
         self._closed = threading.Event()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
+import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -415,9 +416,22 @@ class SqliteStore(Store):
             self._conn.execute("pragma journal_mode=memory")
             self._conn.execute("pragma synchronous=off")
         else:
-            self._conn.execute("pragma journal_mode=wal")
+            self._journal_mode_wal()
             self._conn.execute("pragma synchronous=normal")
         migrate(_SqliteMigrator(self._conn))
+
+    def _journal_mode_wal(self, timeout_s: float = 30.0) -> None:
+        """Switching a new file to WAL takes an exclusive lock and SQLite does not wait for it (no busy
+        handler): several processes opening one new store at once retry here, as the connection would."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self._conn.execute("pragma journal_mode=wal")
+                return
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
 
     def close(self) -> None:
         self._conn.close()

@@ -59,6 +59,7 @@ from benchmarks.shared import (  # noqa: E402
     message_count,
     quiet_stderr,
     resolve_bootstrap,
+    run_facts,
     short_filename,
 )
 from eventstore.kafka_config import producer_config  # noqa: E402
@@ -552,15 +553,7 @@ def main(argv: list[str] | None = None) -> int:
     load_after = os.getloadavg()
 
     figures: dict[str, Any] = {
-        "benchmark": "eventstore",
-        "date": started.isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "cpus": os.cpu_count(),
-        "bootstrap": bootstrap,
-        "broker": broker,
-        "topic_prefix": prefix,
-        "load_avg_1m_before": round(load_before[0], 2),
-        "load_avg_1m_after": round(load_after[0], 2),
+        **run_facts("eventstore", started, bootstrap, broker, prefix, load_before, load_after),
         **build_figures(results, work, n, args.tasks),
         "client_log": str(log_path),
     }

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
 import sys
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient
@@ -89,3 +91,19 @@ def short_filename(filename: str, root: Path) -> str:
         if marker in filename:
             return filename.split(marker, 1)[1]
     return filename
+
+
+def run_facts(benchmark: str, started: datetime, bootstrap: str, broker: str, prefix: str,
+              load_before: tuple[float, ...], load_after: tuple[float, ...]) -> dict[str, Any]:
+    """What every benchmark's JSON line starts with: when, where, and how loaded the machine was."""
+    return {
+        "benchmark": benchmark,
+        "date": started.isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "bootstrap": bootstrap,
+        "broker": broker,
+        "topic_prefix": prefix,
+        "load_avg_1m_before": round(load_before[0], 2),
+        "load_avg_1m_after": round(load_after[0], 2),
+    }

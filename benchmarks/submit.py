@@ -75,7 +75,13 @@ ROOT = _HERE.parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.shared import create_fresh_topics, delete_topics, quiet_stderr, resolve_bootstrap  # noqa: E402
+from benchmarks.shared import (  # noqa: E402
+    create_fresh_topics,
+    delete_topics,
+    quiet_stderr,
+    resolve_bootstrap,
+    run_facts,
+)
 from benchmarks.workflow import machine_cpu_s, percentile, process_cpu_s  # noqa: E402
 from eventstore.kafka_config import producer_config  # noqa: E402
 from eventstore.logs import configure_logging  # noqa: E402
@@ -610,16 +616,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"service logs: {tmp / 'logs'}; client logs: {log_path}", highlight=False)
 
     figures: dict[str, Any] = {
-        "benchmark": "submit",
-        "date": started.isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "cpus": os.cpu_count(),
-        "bootstrap": bootstrap,
-        "broker": broker,
-        "topic_prefix": prefix,
+        **run_facts("submit", started, bootstrap, broker, prefix, load_before, load_after),
         "partitions": layout.partitions,
-        "load_avg_1m_before": round(load_before[0], 2),
-        "load_avg_1m_after": round(load_after[0], 2),
         "tasks": n,
         "concurrency": levels,
         "rounds": dict(zip(("start", "between", "end"),

@@ -80,6 +80,7 @@ from benchmarks.shared import (  # noqa: E402
     message_count,
     quiet_stderr,
     resolve_bootstrap,
+    run_facts,
     short_filename,
 )
 from eventstore.kafka_config import (  # noqa: E402
@@ -835,16 +836,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ratio = system.inbox_per_s / raw.rate
     figures: dict[str, Any] = {
-        "benchmark": "workflow",
-        "date": started.isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "cpus": os.cpu_count(),
-        "bootstrap": bootstrap,
-        "broker": broker,
-        "topic_prefix": prefix,
+        **run_facts("workflow", started, bootstrap, broker, prefix, load_before, load_after),
         "partitions": layout.partitions,
-        "load_avg_1m_before": round(load_before[0], 2),
-        "load_avg_1m_after": round(load_after[0], 2),
         "tasks": n,
         "warmup_tasks": args.warmup,
         "outcomes": system.outcomes,

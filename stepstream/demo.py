@@ -1,7 +1,8 @@
 """The README's main job: a whole local system runs a batch of orders with faults switched on.
 
-It starts ``stepstream up`` (broker, order service, every service as a process), makes the order service
-flaky (errors, throttling, latency), submits orders, one of them invalid, waits for every task to end,
+It starts ``stepstream up`` (broker, order service, every service as a process, the API), makes the order
+service flaky (errors, throttling, latency), submits orders (half with the Python client, half over HTTP
+with a token made for this run, and one of them twice), one of them invalid, waits for every task to end,
 prints how each ended and what it took, then stops the system with SIGTERM and checks each service
 drained and exited 0.
 """
@@ -9,6 +10,7 @@ drained and exited 0.
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -17,16 +19,17 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import httpx
+import orjson
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from agents.orders_client import OrdersAdmin
-from eventstore.producer import EventProducer
 from eventstore.settings import KafkaSettings
-from eventstore.topics import TopicLayout
 from projections.settings import StoreSettings
 from schemas.messages import SubmitTask
+from stepstream.client import Client
 from stepstream.up import wait_until_up
 
 TERMINAL = {"completed", "error", "rejected", "compensated", "compensation_failed"}
@@ -52,12 +55,14 @@ def run_demo(tasks: int = 20, timeout_s: float = 180.0) -> int:
     log_path = home / "logs" / "up.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     console.print("starting the system (broker, order service, projector, scheduler, agents, supervisor)...")
+    token = secrets.token_urlsafe(24)  # the API's write token for this run only
     with open(log_path, "ab") as log:
         up = subprocess.Popen([sys.executable, "-m", "stepstream", "up"], stdout=log, stderr=subprocess.STDOUT,
-                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                              env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                   "STEPSTREAM_API_TOKENS": orjson.dumps({"demo": token}).decode()})
     try:
         state = wait_until_up(home)
-        return _run(console, kafka, home, state, tasks, timeout_s)
+        return _run(console, kafka, home, state, tasks, timeout_s, token)
     finally:
         up.send_signal(signal.SIGTERM)
         code = up.wait(timeout=120)
@@ -66,22 +71,36 @@ def run_demo(tasks: int = 20, timeout_s: float = 180.0) -> int:
                       highlight=False)
 
 
+def _submit(console: Console, kafka: KafkaSettings, orders: list[SubmitTask], api_url: str, token: str) -> None:
+    """Half the orders with the Python client, half over HTTP (each answered with the scheduler's decision),
+    and the first HTTP one again: a repeat, answered 200, that runs once."""
+    half = len(orders) // 2
+    with Client(kafka=kafka, submitter="demo") as client:
+        for order in orders[:half]:
+            client.submit(order.workflow, order.input, task_id=order.task_id)
+    answers: dict[int, int] = {}
+    with httpx.Client(base_url=api_url, headers={"Authorization": f"Bearer {token}"}, timeout=30) as http:
+        for order in [*orders[half:], orders[half]]:
+            body = {"workflow": order.workflow, "input": order.input, "task_id": order.task_id}
+            status = http.post("/api/tasks", json=body).status_code
+            answers[status] = answers.get(status, 0) + 1
+    console.print(f"submitted {half} orders with stepstream.client.Client and {len(orders) - half} with POST "
+                  f"/api/tasks, the first of those twice; HTTP answers: "
+                  + ", ".join(f"{n} x {code}" for code, n in sorted(answers.items())), highlight=False)
+
+
 def _run(console: Console, kafka: KafkaSettings, home: Path, state: dict[str, object], tasks: int,
-         timeout_s: float) -> int:
-    bootstrap, service_url = str(state["bootstrap"]), str(state["service_url"])
-    console.print(f"up: kafka {bootstrap}, order service {service_url}", highlight=False)
+         timeout_s: float, token: str) -> int:
+    bootstrap, service_url, api_url = str(state["bootstrap"]), str(state["service_url"]), str(state["api_url"])
+    console.print(f"up: kafka {bootstrap}, order service {service_url}, API and dashboard {api_url}",
+                  highlight=False)
     with OrdersAdmin(service_url) as admin:
         admin.set_faults(latency_ms=20, error_rate=0.2, throttle_rate=0.1, retry_after_s=1)
         admin.set_faults("shipping/create", latency_ms=20, error_rate=0.2, permanent_error_rate=0.15)
         console.print("faults on: 20% server errors, 10% throttling (429, Retry-After 1s), 20 ms latency; "
                       "shipping refuses 15% of orders for good (those are compensated: refund, release)")
         orders = _orders(uuid.uuid4().hex[:6], tasks)
-        producer = EventProducer(bootstrap)
-        layout = TopicLayout.from_settings(kafka)
-        for order in orders:
-            producer.send(layout.inbox, order)
-        producer.flush()
-        console.print(f"submitted {len(orders)} orders to {layout.inbox}")
+        _submit(console, kafka, orders, api_url, token)
 
         store = StoreSettings().open(home)
         ids = [o.task_id for o in orders]

@@ -20,6 +20,9 @@ class ServiceProcesses:
     cwd: Path | None = None
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     _terminated: set[int] = field(default_factory=set)
+    # Where each process's output starts in its log file: logs are appended to across runs and restarts,
+    # and a marker an earlier run logged must not pass for this one's.
+    _log_start: dict[str, int] = field(default_factory=dict)
 
     def start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
         """Start ``python -m <args>`` under ``name``; a process of that name still running is an error."""
@@ -28,6 +31,7 @@ class ServiceProcesses:
             raise RuntimeError(f"{name} is already running (pid {running.pid})")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_dir / f"{name}.log", "ab") as log:
+            self._log_start[name] = log.tell()
             proc = subprocess.Popen([sys.executable, "-m", *args], env=self.env, stdout=log,
                                     stderr=subprocess.STDOUT, cwd=self.cwd)
         self.procs[name] = proc
@@ -89,8 +93,13 @@ class ServiceProcesses:
         return proc is not None and proc.poll() is None
 
     def log(self, name: str) -> str:
+        """What the process of that name (its latest start) has logged so far."""
         path = self.log_dir / f"{name}.log"
-        return path.read_text(errors="replace") if path.exists() else ""
+        if not path.exists():
+            return ""
+        with open(path, "rb") as log:
+            log.seek(self._log_start.get(name, 0))
+            return log.read().decode(errors="replace")
 
 
 def child_env(**overrides: str) -> dict[str, str]:

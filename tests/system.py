@@ -64,17 +64,15 @@ class System:
 
     def start_api(self) -> httpx.Client:
         """``stepstream serve api`` as a process of its own, on a free port; a client for it."""
-        marker = r"api listening on (http://\S+)"
-        earlier = len(re.findall(marker, self.procs.log("api"))) if "api" in self.procs.procs else 0
         self.procs.start("api", "stepstream", "serve", "api", "--port", "0")
         found: list[str] = []
 
-        def listening() -> bool:  # the log file is appended to: a restart's address is the last one
-            found[:] = re.findall(marker, self.procs.log("api"))[earlier:]
+        def listening() -> bool:
+            found[:] = re.findall(r"api listening on (http://\S+)", self.procs.log("api"))
             return bool(found) or not self.procs.alive("api")
 
         assert wait_for(listening, timeout_s=60) and found, self.procs.log("api")
-        return httpx.Client(base_url=found[-1], timeout=30)
+        return httpx.Client(base_url=found[0], timeout=30)
 
     def submit(self, task_id: str, input: dict[str, Any] | None = None, *, version: int | None = None,
                workflow: str = "orders", submitter: str | None = None) -> SubmitTask:

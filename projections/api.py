@@ -29,11 +29,11 @@ from prometheus_client.registry import Collector
 
 from eventstore.topics import TopicLayout
 from projections.lag import LagReader
+from projections.rows import exact_ms
 from projections.store import Store
 
 log = structlog.get_logger("stepstream.api")
 DASHBOARD = Path(__file__).parent / "dashboard"
-EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 MAX_INT64 = 2**63 - 1  # what both stores' integer columns hold: larger values are refused with a 422
 
 
@@ -51,9 +51,9 @@ class TaskState(str, Enum):
 Limit = Annotated[int, Query(ge=1, le=500, description="at most this many items")]
 
 
-def _invalid(parameter: str, message: str, value: Any) -> RequestValidationError:
-    """A 422 shaped like FastAPI's own, naming the query parameter at fault."""
-    return RequestValidationError([{"type": "value_error", "loc": ("query", parameter), "msg": message,
+def invalid(parameter: str, message: str, value: Any, where: str = "query") -> RequestValidationError:
+    """A 422 shaped like FastAPI's own, naming the parameter (or body field) at fault."""
+    return RequestValidationError([{"type": "value_error", "loc": (where, parameter), "msg": message,
                                     "input": value}])
 
 
@@ -67,19 +67,16 @@ def decode_cursor(cursor: str | None, types: tuple[type, ...]) -> tuple[Any, ...
     try:
         values = orjson.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
     except (binascii.Error, ValueError) as exc:
-        raise _invalid("cursor", "not a cursor this API returned", cursor) from exc
+        raise invalid("cursor", "not a cursor this API returned", cursor) from exc
     if (not isinstance(values, list) or len(values) != len(types)
             or not all(isinstance(v, t) and not isinstance(v, bool) for v, t in zip(values, types, strict=True))
             or any(isinstance(v, int) and not -MAX_INT64 <= v <= MAX_INT64 for v in values)):
-        raise _invalid("cursor", "not a cursor this API returned", cursor)
+        raise invalid("cursor", "not a cursor this API returned", cursor)
     return tuple(values)
 
 
 def _utc_ms(value: datetime | None) -> int | None:
-    """Epoch milliseconds, exactly (float seconds times 1000 can land a millisecond short); naive is UTC."""
-    if value is None:
-        return None
-    return ((value if value.tzinfo else value.replace(tzinfo=UTC)) - EPOCH) // timedelta(milliseconds=1)
+    return None if value is None else exact_ms(value)
 
 
 def _page(items: list[dict[str, Any]], limit: int, *cursor_columns: str) -> dict[str, Any]:
@@ -147,7 +144,7 @@ def create_app(store: Store, layout: TopicLayout, lag: LagReader | None = None,
         """Tasks newest first (by creation time), filtered by state, workflow and creation time."""
         since_ms, until_ms = _utc_ms(since), _utc_ms(until)
         if since_ms is not None and until_ms is not None and until_ms <= since_ms:
-            raise _invalid("until", "must be after since", until)
+            raise invalid("until", "must be after since", until)
         before = decode_cursor(cursor, (int, str))
         items = store.tasks(state=state.value if state else None, workflow=workflow, since_ms=since_ms,
                             until_ms=until_ms, before=(before[0], before[1]) if before else None, limit=limit)

@@ -11,7 +11,7 @@ compensation's own attempt number, failures, calls and error have columns of the
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
 import orjson
@@ -46,6 +46,15 @@ class Executor(Protocol):
 
 def ms(value: datetime) -> int:
     return int(value.timestamp() * 1000)
+
+
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def exact_ms(value: datetime) -> int:
+    """Epoch milliseconds, exactly, for query bounds a user typed (float seconds times 1000 can land a
+    millisecond short); a time without an offset is UTC."""
+    return ((value if value.tzinfo else value.replace(tzinfo=UTC)) - EPOCH) // timedelta(milliseconds=1)
 
 
 def project(db: Executor, event: Event) -> None:

@@ -18,12 +18,13 @@ import os
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from projections.rows import EPOCH, exact_ms
 from stepstream.client import Client, InvalidSubmission, SubmissionRejected, TaskWaitTimeout
 
 if TYPE_CHECKING:
@@ -34,7 +35,6 @@ EXIT_INVALID, EXIT_NOT_FOUND, EXIT_NOT_COMPLETED, EXIT_REJECTED, EXIT_TIMEOUT = 
 # The task states of the projection (``projections/rows.py``), as ``/api/tasks?state=`` accepts them.
 TASK_STATES = ("accepted", "running", "completed", "error", "compensating", "compensated", "compensation_failed",
                "rejected")
-EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 ERROR_WIDTH = 60
 
 
@@ -97,7 +97,7 @@ def _instant(text: str) -> int:
         value = datetime.fromisoformat(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not an ISO 8601 time: {text!r}") from None
-    return ((value if value.tzinfo else value.replace(tzinfo=UTC)) - EPOCH) // timedelta(milliseconds=1)
+    return exact_ms(value)
 
 
 def _read_input(raw: str) -> Any:

@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from eventstore.errors import InfrastructureError
 from eventstore.kafka_config import connection_config, consume_available, producer_config
 from eventstore.topics import TopicLayout
+from projections.api import invalid
 from projections.lag import LagReader
 from projections.settings import ApiSettings
 from projections.store import Store
@@ -94,8 +95,7 @@ class CommandRequest(BaseModel):
 
 
 def _invalid(field_name: str, message: str, value: Any) -> RequestValidationError:
-    return RequestValidationError([{"type": "value_error", "loc": ("body", field_name), "msg": message,
-                                    "input": value}])
+    return invalid(field_name, message, value, where="body")
 
 
 # ---- authentication --------------------------------------------------------------------------------

@@ -82,11 +82,12 @@ def run_up(service_port: int | None = None) -> int:
 
 def _api_port() -> int:
     """The configured API port, or any free one when it is taken (a second system on this machine)."""
-    port = ApiSettings().port
+    settings = ApiSettings()
+    port = settings.port
     with socket.socket() as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            probe.bind((ApiSettings().host, port))
+            probe.bind((settings.host, port))
         except OSError:
             return 0
     return port

@@ -39,6 +39,8 @@ class Dependency:
     breaker: CircuitBreaker
     budget: RetryBudget
     policy: DependencyPolicy
+    #: Moving average of the time a call that got an answer took: what a new call should expect to need.
+    usual_call_s: float = 0.0
 
     def apply(self, policy: DependencyPolicy) -> None:
         """Use ``policy`` from the next call on, keeping breaker state and spent retries."""
@@ -51,6 +53,19 @@ class Dependency:
     def first_call(self) -> None:
         """A call that is not a retry is about to be made (it earns the retry budget its ratio)."""
         self.budget.record_call()
+
+    def answered_in(self, seconds: float) -> None:
+        """A call got an answer after ``seconds``: fold it into the usual call time (EWMA, weight 1/8).
+
+        A float assignment is atomic, so concurrent calls may lose an update but never corrupt the figure.
+        """
+        usual = self.usual_call_s
+        self.usual_call_s = seconds if usual == 0.0 else usual + (seconds - usual) / 8
+
+    def time_needed(self) -> float:
+        """The least time left before a deadline at which a call is still started."""
+        configured = self.policy.retry.min_call_time_s
+        return self.usual_call_s if configured is None else configured
 
     def try_retry(self) -> bool:
         """Spend one retry from the budget; False when it is spent (fail fast)."""

@@ -28,7 +28,7 @@ import pydantic
 #: Why a call failed transiently. ``circuit_open`` and ``retry_budget`` are the agent refusing to call.
 TransientKind = Literal["throttled", "timeout", "connection", "server_error", "circuit_open", "retry_budget"]
 #: Why a call failed for good.
-PermanentKind = Literal["rejected", "validation", "unexpected"]
+PermanentKind = Literal["rejected", "validation", "already_undone", "unexpected"]
 
 
 class PermanentError(Exception):
@@ -104,7 +104,8 @@ def classify_status(status: int, *, retry_after_s: float | None = None, detail: 
     """The fault an HTTP status means, or None for success (< 400).
 
     408, 429 and 5xx are transient; 409 (a newer attempt already reached the service: this attempt is
-    fenced off) and every other 4xx are permanent. ``Retry-After`` is kept on transient answers only.
+    fenced off), 410 (the step was already undone: its key is tombstoned) and every other 4xx are
+    permanent. ``Retry-After`` is kept on transient answers only.
     """
     suffix = f": {detail}" if detail else ""
     if status < 400:
@@ -117,7 +118,8 @@ def classify_status(status: int, *, retry_after_s: float | None = None, detail: 
     if status >= 500:
         return TransientError(f"server error {status}{suffix}", retry_after_s=retry_after_s, kind="server_error",
                               status=status)
-    kind: PermanentKind = "validation" if status in (400, 422) else "rejected"
+    # 410: the step's key was undone (tombstoned): a forward call after its undo applies nothing.
+    kind: PermanentKind = "validation" if status in (400, 422) else "already_undone" if status == 410 else "rejected"
     return PermanentError(f"refused with {status}{suffix}", kind=kind, status=status)
 
 

@@ -1,7 +1,8 @@
 """Agents that call an HTTP service, and how they read its answers.
 
 Timeouts, connection errors, 408, 429 and 5xx are transient; a 409 means a newer attempt already
-reached the service (fencing) and every other 4xx is a permanent refusal. ``Retry-After`` (seconds or an
+reached the service (fencing), a 410 that the step was already undone (its key is tombstoned), and every
+other 4xx is a permanent refusal. ``Retry-After`` (seconds or an
 HTTP date) is passed on. The classification itself lives in :mod:`agents.faults`.
 """
 
@@ -25,6 +26,17 @@ def request_body(step_input: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
+def request_headers(call: Call) -> dict[str, str]:
+    """The idempotency key and fencing token of every call; an undo also names the forward key it fences."""
+    headers = {"Idempotency-Key": call.idempotency_key, "X-Attempt": str(call.attempt)}
+    request = call.request
+    if request.undoes_key is not None:
+        headers["X-Undoes-Key"] = request.undoes_key
+        if request.undoes_attempt is not None:
+            headers["X-Undoes-Attempt"] = str(request.undoes_attempt)
+    return headers
+
+
 def http_post_handler(base_url: str, path: str, client: httpx.Client | None = None) -> AgentHandler:
     """A handler that POSTs the step's data to ``base_url/path`` with the idempotency key and attempt."""
     http = client or httpx.Client(base_url=base_url)
@@ -32,12 +44,8 @@ def http_post_handler(base_url: str, path: str, client: httpx.Client | None = No
 
     def call(request: Call) -> dict[str, Any]:
         try:
-            response = http.post(
-                url,
-                json=request_body(request.request.input),
-                headers={"Idempotency-Key": request.idempotency_key, "X-Attempt": str(request.attempt)},
-                timeout=request.timeout_s,
-            )
+            response = http.post(url, json=request_body(request.request.input), headers=request_headers(request),
+                                 timeout=request.timeout_s)
         except httpx.TimeoutException as exc:
             raise TransientError(f"{path}: timed out after {request.timeout_s:.1f}s", kind="timeout") from exc
         except httpx.TransportError as exc:

@@ -27,7 +27,7 @@ from typing import Any, Self, TypedDict
 
 import httpx
 
-from agents.orders_service import ATTEMPT_HEADER, IDEMPOTENCY_HEADER, OPERATIONS, Operation
+from agents.orders_service import ATTEMPT_HEADER, IDEMPOTENCY_HEADER, OPERATIONS, UNDOES_HEADER, Operation
 
 __all__ = [
     "OPERATIONS",
@@ -60,6 +60,7 @@ class Records(TypedDict):
     reservations: dict[str, dict[str, Any]]
     charges: dict[str, dict[str, Any]]
     shipments: dict[str, dict[str, Any]]
+    tombstones: dict[str, dict[str, dict[str, Any]]]
 
 
 # ``GET /admin/faults``: the global configuration (or None) and per-operation overrides, which replace
@@ -416,12 +417,17 @@ class OrdersAdmin:
         idempotency_key: str | None,
         attempt: int | None,
         timeout_s: float | None = None,
+        undoes_key: str | None = None,
     ) -> httpx.Response:
-        """A raw business request (headers omitted when None), returned unchecked for tests to inspect."""
+        """A raw business request (headers omitted when None), returned unchecked for tests to inspect.
+
+        ``undoes_key``: for a compensating operation, the forward key it undoes (and tombstones)."""
         headers: dict[str, str] = {}
         if idempotency_key is not None:
             headers[IDEMPOTENCY_HEADER] = idempotency_key
         if attempt is not None:
             headers[ATTEMPT_HEADER] = str(attempt)
+        if undoes_key is not None:
+            headers[UNDOES_HEADER] = undoes_key
         timeout = httpx.Timeout(timeout_s) if timeout_s is not None else self._http.timeout
         return self._http.post(f"/{operation}", json=body, headers=headers, timeout=timeout)

@@ -28,6 +28,13 @@ Request contract (every operation, ``POST /<operation>`` with a JSON object body
 - Compensations undo whatever the forward action left for that order (or the resource named by
   ``reservation_id`` / ``charge_id`` / ``shipment_id``); with nothing to undo they succeed with an
   empty list, because a compensation must be safe to run whether or not the forward step landed.
+- Undo fences the forward key: a compensation may name the forward step's key in ``X-Undoes-Key``
+  (and its highest attempt in ``X-Undoes-Attempt``). On receipt the service records a *tombstone*
+  for that key; from then on every forward call with it is refused with 410 ``already_undone`` and
+  applies nothing (even a replay of a result stored before the undo). Both the tombstone and the
+  forward side effect are decided under the one lock, so a forward call either landed before the undo
+  (and the undo releases it) or is refused: an attempt still in flight when its step was undone can
+  never leave anything held.
 
 Faults (``PUT /admin/faults``) are decided on receipt, before any side effect: a failed request
 applies nothing. Randomness comes from one ``random.Random(seed)`` that draws a fixed number of
@@ -88,9 +95,13 @@ COMPENSATIONS: dict[Operation, Operation] = {
     "payments/charge": "payments/refund",
     "shipping/create": "shipping/cancel",
 }
+#: compensating operation -> the forward operation whose keys it tombstones.
+FORWARD_OF: dict[Operation, Operation] = {undo: forward for forward, undo in COMPENSATIONS.items()}
 
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 ATTEMPT_HEADER = "X-Attempt"
+UNDOES_HEADER = "X-Undoes-Key"
+UNDOES_ATTEMPT_HEADER = "X-Undoes-Attempt"
 REPLAYED_HEADER = "Idempotent-Replayed"
 MAX_KEY_LENGTH = 255
 STATE_FILE_VERSION = 1
@@ -207,6 +218,8 @@ class OrdersState:
         self.reservations: dict[str, JSON] = {}
         self.charges: dict[str, JSON] = {}
         self.shipments: dict[str, JSON] = {}
+        #: forward operation -> undone idempotency key -> who undid it: later forward calls are refused.
+        self.tombstones: dict[str, dict[str, JSON]] = {}
 
     def to_json(self) -> JSON:
         return {
@@ -220,6 +233,7 @@ class OrdersState:
             "reservations": self.reservations,
             "charges": self.charges,
             "shipments": self.shipments,
+            "tombstones": self.tombstones,
         }
 
     @classmethod
@@ -236,6 +250,7 @@ class OrdersState:
         state.reservations = data["reservations"]
         state.charges = data["charges"]
         state.shipments = data["shipments"]
+        state.tombstones = data.get("tombstones", {})  # absent from files written before undo fencing
         return state
 
     def record_outcome(self, op: str, key: str, outcome: str) -> None:
@@ -411,6 +426,30 @@ def _parse_headers(request: Request) -> tuple[str, int]:
     return key, attempt
 
 
+def _parse_undoes(request: Request, op: Operation) -> tuple[str, int | None] | None:
+    """The forward key (and highest attempt) a compensating call undoes, if it names one."""
+    key = request.headers.get(UNDOES_HEADER)
+    if key is None:
+        return None
+    if op not in FORWARD_OF:
+        raise ProblemError(400, "invalid_header", f"{UNDOES_HEADER} is for compensating operations only",
+                           header=UNDOES_HEADER)
+    if not key.strip() or len(key) > MAX_KEY_LENGTH:
+        raise ProblemError(400, "invalid_header", f"{UNDOES_HEADER} must be a key of 1 to {MAX_KEY_LENGTH} "
+                           "characters", header=UNDOES_HEADER)
+    raw = request.headers.get(UNDOES_ATTEMPT_HEADER)
+    if raw is None:
+        return key, None
+    try:
+        attempt = int(raw.strip())
+    except ValueError:
+        attempt = -1
+    if attempt < 1:
+        raise ProblemError(400, "invalid_header", f"{UNDOES_ATTEMPT_HEADER} must be a positive integer",
+                           header=UNDOES_ATTEMPT_HEADER)
+    return key, attempt
+
+
 class OrdersService:
     """Owns the state, the fault configuration and the seeded RNG; serves every request.
 
@@ -512,15 +551,32 @@ class OrdersService:
                 highest_attempt=highest,
             )
 
+    def _check_tombstone(self, op: Operation, key: str) -> None:
+        """A forward call whose key was undone applies nothing, whenever it arrives."""
+        tombstone = self.state.tombstones.get(op, {}).get(key)
+        if tombstone is not None:
+            raise ProblemError(410, "already_undone", f"{op} with this key was undone by {tombstone['undo_key']}: "
+                               "a forward call after its undo applies nothing", undone_at=tombstone["at"])
+
+    def _bury(self, op: Operation, undo_key: str, undoes: tuple[str, int | None]) -> None:
+        """Record that ``undo_key`` undoes the forward key ``undoes`` names (caller holds the lock)."""
+        forward_key, forward_attempt = undoes
+        graves = self.state.tombstones.setdefault(FORWARD_OF[op], {})
+        if forward_key not in graves:
+            graves[forward_key] = {"undo_key": undo_key, "highest_attempt": forward_attempt, "at": _now()}
+            self.persist()
+
     async def handle(self, op: Operation, request: Request) -> Response:
-        """Headers -> count -> body -> fence -> faults -> (hang|latency) -> fence again -> dedup -> apply."""
+        """Headers -> count -> body -> fence (and tombstone) -> faults -> (hang|latency) -> fence again ->
+        tombstone -> dedup -> apply."""
         try:
             key, attempt = _parse_headers(request)
+            undoes = _parse_undoes(request, op)
         except ProblemError as problem:
             return _json_response(problem.status, problem.body)
         self.in_flight += 1
         try:
-            status, body, headers = await self._handle_keyed(op, key, attempt, request)
+            status, body, headers = await self._handle_keyed(op, key, attempt, undoes, request)
         except ProblemError as problem:
             status, body, headers = problem.status, problem.body, {}
         finally:
@@ -530,7 +586,7 @@ class OrdersService:
         return _json_response(status, body, headers)
 
     async def _handle_keyed(
-        self, op: Operation, key: str, attempt: int, request: Request
+        self, op: Operation, key: str, attempt: int, undoes: tuple[str, int | None] | None, request: Request
     ) -> tuple[int, Any, Mapping[str, str]]:
         async with self.lock:
             _bump(self.state.requests, op, key)
@@ -545,6 +601,9 @@ class OrdersService:
 
         async with self.lock:
             self._check_fence(op, key, attempt)
+            self._check_tombstone(op, key)
+            if undoes is not None:
+                self._bury(op, key, undoes)
             marks = self.state.highest_attempt.setdefault(op, {})
             if attempt > marks.get(key, -1):
                 marks[key] = attempt
@@ -566,6 +625,7 @@ class OrdersService:
         digest = _body_hash(body)
         async with self.lock:
             self._check_fence(op, key, attempt)
+            self._check_tombstone(op, key)
             stored = self.state.results.get(op, {}).get(key)
             if stored is not None:
                 if stored["body_hash"] != digest:
@@ -630,6 +690,7 @@ class OrdersService:
             "reservations": {k: v for k, v in self.state.reservations.items() if keep(v)},
             "charges": {k: v for k, v in self.state.charges.items() if keep(v)},
             "shipments": {k: v for k, v in self.state.shipments.items() if keep(v)},
+            "tombstones": self.state.tombstones,
         }
 
     def reset(self, seed: int | None) -> None:

@@ -45,6 +45,9 @@ class RetryPolicy(BaseModel):
     jitter: float = Field(default=0.5, ge=0.0, le=1.0, description="share of the delay that is randomised")
     immediate_first_retry: bool = Field(default=False, description="the first retry, and only it, has no delay")
     call_timeout_s: float = Field(default=10.0, gt=0, description="timeout of every single call")
+    min_call_time_s: float | None = Field(
+        default=None, ge=0, description="time a call needs: none is started with less left before the deadline "
+        "(a call cut off by the deadline may still land at the service); unset: the dependency's usual call time")
 
     @model_validator(mode="after")
     def _cap_not_below_start(self) -> Self:

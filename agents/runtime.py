@@ -2,7 +2,8 @@
 
 An agent consumes ``agent.NAME`` in partition order and answers every request on ``inbox`` with the
 attempt id it was given. It makes at most the calls the scheduler allowed for the attempt, never starts
-a call after the attempt's deadline, and passes the step's idempotency key (stable across attempts) and
+a call that cannot finish before the attempt's deadline (the dependency's usual call time, or the
+policy's ``min_call_time_s``), and passes the step's idempotency key (stable across attempts) and
 the attempt number (a fencing token) to the service, which is what makes redelivery after a crash safe.
 
 Within one attempt, transient faults are retried under the dependency's policy (:mod:`agents.policy`):
@@ -173,6 +174,12 @@ class Agent:
             remaining = remaining_s()
             if remaining <= 0:
                 return give_up("deadline", "deadline passed")
+            needed = guard.time_needed()
+            if remaining < needed:
+                # A call cut off by the deadline may still land at the service: an unknown outcome the
+                # task would have to undo. Not starting it leaves nothing unknown.
+                return give_up("deadline", f"{remaining:.3f}s left before the deadline, a call needs {needed:.3f}s: "
+                                           "not started")
             if calls >= request.calls_allowed:
                 return give_up("allowance", f"call allowance of {request.calls_allowed} spent")
             if not guard.breaker.try_acquire():
@@ -190,8 +197,11 @@ class Agent:
                 guard.breaker.release()
                 raise
             finally:
-                CALL_SECONDS.labels(self.name, dep).observe(self._monotonic() - call_started)
+                call_s = self._monotonic() - call_started
+                CALL_SECONDS.labels(self.name, dep).observe(call_s)
 
+            if fault is None or isinstance(fault, PermanentError) or fault.status is not None:
+                guard.answered_in(call_s)  # the service answered: a timeout or a dropped connection says nothing
             if fault is None:
                 guard.breaker.record_success()
                 CALLS.labels(self.name, dep, "ok").inc()
@@ -213,8 +223,8 @@ class Agent:
             if retries >= policy.retry.max_retries:
                 return give_up("retry_limit", f"retry limit of {policy.retry.max_retries} reached")
             delay = policy.retry.delay(retries + 1, self._rng, fault.retry_after_s)
-            if delay >= remaining_s():
-                return give_up("deadline", f"the next call, {delay:.3f}s away, would start past the deadline")
+            if delay + guard.time_needed() >= remaining_s():
+                return give_up("deadline", f"the next call, {delay:.3f}s away, could not finish before the deadline")
             if guard.breaker.state is BreakerState.OPEN:
                 return give_up("circuit_open", str(CircuitOpenError(dep, guard.breaker.retry_in_s())))
             if not guard.try_retry():

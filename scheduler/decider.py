@@ -12,12 +12,22 @@ state as it goes, so every decision it returns has already passed ``evolve``'s t
 
 Compensation is part of the same machine. When a step gives up and its workflow's policy is
 ``compensate`` (or an operator cancels a running task, or orders compensation of a task in error), the
-task goes to ``compensating``: ``CompensationStarted`` names the completed steps to undo, last completed
-first, and each is undone by its compensation's agent in attempts that are locked, timed, budgeted and
-recovered exactly like forward attempts, or recorded as having nothing to undo. The task ends
+task goes to ``compensating``: ``CompensationStarted`` names the steps that *may have been applied*, last
+started first, and each is undone by its compensation's agent in attempts that are locked, timed, budgeted
+and recovered exactly like forward attempts, or recorded as having nothing to undo. The task ends
 ``compensated``, or ``compensation_failed`` with an operator alert naming the step that could not be
 undone; nothing is undone out of order, so the steps before it stay as they were until an operator
 retries it.
+
+"May have been applied" is every step any attempt of which started, not only the ones that reported
+success. An attempt that timed out, was abandoned by a cancel, failed after a call whose answer was lost,
+or answered too late may have left its effect at the service; and agent requests are delivered at least
+once, so even an attempt that reported "no call made" can be redelivered and call. Compensating actions
+are therefore required to be safe when the forward action never happened, and each undo carries the
+forward step's idempotency key so the service refuses every later forward call with it (a tombstone):
+once a step is undone, no attempt of it still in flight or redelivered can apply anything, which is what
+makes ``compensated`` mean that nothing is left held. A definite answer that arrives for an attempt that
+is no longer current is recorded as the fact it is (``LateResultRecorded``), never silently dropped.
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ from schemas.messages import (
     CompensationRetried,
     CompensationStarted,
     Event,
+    LateResultRecorded,
     MessageIgnored,
     OperatorAlert,
     OperatorCommand,
@@ -74,7 +85,7 @@ FINAL: frozenset[str] = frozenset({"completed", "compensated"})
 to retry later retries under the same task id, its idempotency key)."""
 
 Command: TypeAlias = SubmitTask | StepResult | RecoverStep | OperatorCommand
-_RECORDS = (MessageIgnored, OperatorAlert, OperatorCommandRefused)
+_RECORDS = (MessageIgnored, LateResultRecorded, OperatorAlert, OperatorCommandRefused)
 """Events that record something for operators and change nothing but the sequence (and seen commands)."""
 
 # Event ids are uuid5(task id, sequence): unique within the log (a task's sequence numbers never repeat)
@@ -194,12 +205,26 @@ class TaskState:
             "steps": {step.name: step.output for step in self.steps[: index + 1] if step.output is not None},
         }
 
+    def undo_plan(self) -> list[str]:
+        """The steps a compensation starting now must undo, in order: every step that may have been applied.
+
+        A step appears in ``steps`` when its first attempt starts, and steps start one after another, so
+        this is every step present that is not undone yet, last started first (see the module docstring
+        for why a failed step counts).
+        """
+        return [step.name for step in reversed(self.steps) if step.status in _MAY_BE_APPLIED]
+
     def undo_candidate(self) -> int | None:
-        """The step to undo next: the last completed one not yet undone (or whose undoing failed)."""
+        """The step to undo next: the last started one not yet undone (or whose undoing failed)."""
         for index in range(len(self.steps) - 1, -1, -1):
-            if self.steps[index].status in ("succeeded", "compensation_failed"):
+            if self.steps[index].status in _UNDO_CANDIDATES:
                 return index
         return None
+
+
+_MAY_BE_APPLIED: frozenset[str] = frozenset({"succeeded", "failed"})
+"""Step statuses, outside an attempt in progress, of a step whose effect may exist and has not been undone."""
+_UNDO_CANDIDATES: frozenset[str] = _MAY_BE_APPLIED | {"compensation_failed"}
 
 
 @dataclass(frozen=True)
@@ -290,6 +315,8 @@ def decide(
     reason = _not_current(state, command)
     if reason is None and isinstance(command, RecoverStep):
         reason = _deadline_not_passed(_current(state)[1], now)
+    if reason is not None and isinstance(command, StepResult) and _record_late_result(builder, command):
+        return builder.decision()
     if reason is not None:
         builder.emit(
             MessageIgnored,
@@ -428,6 +455,54 @@ def _not_current(state: TaskState, command: StepResult | RecoverStep) -> str | N
     return None
 
 
+def _record_late_result(builder: _Builder, result: StepResult) -> bool:
+    """Record a definite answer for a past attempt of this task as a fact; False if it is no such answer.
+
+    Only a success or a permanent refusal is a fact worth keeping (a late transient failure says nothing
+    new), and only for an attempt this task really started. Nothing changes but the record: the step is
+    already in any compensation plan, and the undo that covers it fences its key at the service.
+    """
+    if not (result.ok or result.permanent):
+        return False
+    state = builder.state
+    index = next((i for i, step in enumerate(state.steps) if step.name == result.step), None)
+    if index is None:
+        return False
+    step = state.steps[index]
+    forward = {attempt_id(state.task_id, step.name, n) for n in range(1, step.attempt + 1)}
+    undo = {compensation_attempt_id(state.task_id, step.name, n) for n in range(1, step.compensation.attempt + 1)}
+    if result.attempt_id not in forward | undo:
+        return False
+    is_undo = result.attempt_id in undo
+    builder.emit(LateResultRecorded, step=step.name, attempt_id=result.attempt_id, ok=result.ok,
+                 permanent=result.permanent, compensation=is_undo,
+                 consequence=_late_consequence(step, result.ok, is_undo))
+    return True
+
+
+def _late_consequence(step: StepState, ok: bool, is_undo: bool) -> str:
+    """What a late answer means for the task as it stands: the line an operator reads in its timeline."""
+    what = ("its undo was applied" if ok else "its undo was refused") if is_undo else (
+        "its effect exists at the service" if ok else "that call was refused, earlier calls may have landed")
+    if is_undo:
+        now = {"compensated": "the step is recorded as undone",
+               "compensating": "an undo attempt with the same key is in progress and will get the same answer"}
+        return f"late answer from an undo of step {step.name!r}: {what}; " + now.get(
+            step.status, f"the step is {step.status}: a retried undo uses the same key")
+    by_status = {
+        "succeeded": "the step already succeeded with the same idempotency key",
+        "processing": f"attempt {step.attempt_id} in progress uses the same idempotency key and gets it replayed",
+        "compensating": "its undo is in progress",
+        "compensated": "its undo fenced the key at the service, so this effect landed before the undo and was "
+                       "released by it",
+        "compensation_skipped": "the step declares no compensating action: the effect stays",
+        "compensation_failed": "its undo failed: retry-compensation undoes it",
+        # A failed step is the last started; a compensation undoes it first, so only a task in error has one.
+        "failed": "compensating the task undoes it; resubmitting the step replays it",
+    }
+    return f"late answer for step {step.name!r}: {what}; {by_status.get(step.status, f'the step is {step.status}')}"
+
+
 def _deadline_not_passed(current: StepState, now: datetime) -> str | None:
     """A recovery is conditional on the deadline: the supervisor's clock may run ahead of the scheduler's."""
     deadline = current.deadline
@@ -560,15 +635,15 @@ def _escalate(builder: _Builder, workflow: Workflow, step: str, reason: str) -> 
 
 def _begin_compensation(builder: _Builder, workflow: Workflow, trigger: Literal["escalation", "operator", "cancel"],
                         reason: str, *, step: str | None = None, command: OperatorCommand | None = None) -> None:
-    """Record the plan (the completed steps, last completed first) and start undoing the first of them."""
-    plan = [s.name for s in reversed(builder.state.steps) if s.status == "succeeded"]
+    """Record the plan (every step that may have been applied, last started first) and start undoing it."""
+    plan = builder.state.undo_plan()
     builder.emit(CompensationStarted, trigger=trigger, reason=reason, steps=plan, step=step,
                  command_id=command.command_id if command else None, operator=command.operator if command else None)
     _compensate_next(builder, workflow)
 
 
 def _compensate_next(builder: _Builder, workflow: Workflow) -> None:
-    """Undo the last completed step not yet undone; a step without a compensation has nothing to undo."""
+    """Undo the last started step not yet undone; a step without a compensation has nothing to undo."""
     while (index := builder.state.undo_candidate()) is not None:
         spec = workflow.steps[index]
         if spec.compensation is None:
@@ -839,7 +914,7 @@ def evolve(state: TaskState | None, event: Event) -> TaskState:
         case CompensationStarted():
             return _compensation_started(state, event)
         case StepCompensationSkipped():
-            index = _next_to_undo(state, event.step, ("succeeded",))
+            index = _next_to_undo(state, event.step, ("succeeded", "failed"))
             return _with_step(state, event, index, replace(state.steps[index], status="compensation_skipped"))
         case StepCompensationStarted():
             return _compensation_attempt_started(state, event)
@@ -856,7 +931,7 @@ def evolve(state: TaskState | None, event: Event) -> TaskState:
             return _with_step(state, event, index, replace(step, status="compensation_failed", compensation=undo))
         case TaskCompensated():
             if state.undo_candidate() is not None:
-                raise InvalidTransition(f"task {state.task_id!r} still has completed steps to undo")
+                raise InvalidTransition(f"task {state.task_id!r} still has steps that may have been applied to undo")
             return replace(state, status="compensated", sequence=event.sequence)
         case TaskCompensationFailed():
             _step_in(state, event.step, "compensation_failed")
@@ -957,7 +1032,7 @@ def _step_started(state: TaskState, event: StepStarted) -> TaskState:
 
 
 def _compensation_started(state: TaskState, event: CompensationStarted) -> TaskState:
-    """The plan must be exactly the completed steps, last first; only an operator compensates a task in error."""
+    """The plan must be exactly the started steps, last first; only an operator compensates a task in error."""
     expected = "error" if event.trigger == "operator" else "running"
     if state.status != expected:
         raise InvalidTransition(f"task {state.task_id!r} is {state.status}: a compensation by {event.trigger} "
@@ -966,15 +1041,15 @@ def _compensation_started(state: TaskState, event: CompensationStarted) -> TaskS
         raise InvalidTransition(f"a {event.trigger} compensation names the operator command that ordered it")
     if event.trigger == "escalation":
         _step_in(state, event.step or "", "failed")
-    plan = [step.name for step in reversed(state.steps) if step.status == "succeeded"]
+    plan = state.undo_plan()
     if event.steps != plan:
-        raise InvalidTransition(f"compensation plan {event.steps} is not the completed steps in reverse: {plan}")
+        raise InvalidTransition(f"compensation plan {event.steps} is not the started steps in reverse: {plan}")
     return replace(state, status="compensating", sequence=event.sequence)
 
 
 def _compensation_attempt_started(state: TaskState, event: StepCompensationStarted) -> TaskState:
-    """A compensation attempt: of the last completed step not yet undone, numbered after the previous one."""
-    index = _next_to_undo(state, event.step, ("succeeded", "compensation_failed"))
+    """A compensation attempt: of the last started step not yet undone, numbered after the previous one."""
+    index = _next_to_undo(state, event.step, ("succeeded", "failed", "compensation_failed"))
     if event.step_index != index:
         raise InvalidTransition(f"step {event.step!r} is at index {index}, not {event.step_index}")
     step = state.steps[index]
@@ -990,7 +1065,7 @@ def _compensation_attempt_started(state: TaskState, event: StepCompensationStart
 
 
 def _next_to_undo(state: TaskState, name: str, statuses: tuple[StepStatus, ...]) -> int:
-    """``name``'s index, if it is the step to undo next (reverse completion order) and in one of ``statuses``."""
+    """``name``'s index, if it is the step to undo next (reverse start order) and in one of ``statuses``."""
     index = state.undo_candidate()
     if index is None or state.steps[index].name != name or state.steps[index].status not in statuses:
         expected = state.steps[index].name if index is not None else "none"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 import uuid
 from datetime import UTC, datetime
+from typing import Any
 
 import structlog
 from confluent_kafka import TopicPartition
@@ -141,18 +142,24 @@ class Scheduler:
     def _request(self, event: StepStarted | StepCompensationStarted, state: TaskState, output: EventProducer) -> None:
         """The agent request an attempt's start calls for: the step's own agent, or its compensation's."""
         step = self.registry.get(state.workflow, state.workflow_version).step(event.step)
+        forward_key = idempotency_key(state.task_id, step.name)
+        undoes: dict[str, Any] = {}
         if isinstance(event, StepStarted):
-            agent, key, data = step.agent, idempotency_key(state.task_id, step.name), state.step_input()
+            agent, key, data = step.agent, forward_key, state.step_input()
         else:
             if step.compensation is None:
                 raise ValueError(f"step {step.name!r} has no compensation to request")
             agent = step.compensation.agent
             key = compensation_idempotency_key(state.task_id, step.name)
             data = state.compensation_input(event.step_index)
+            # The undo names the forward key so the service tombstones it: no forward attempt still in
+            # flight (or redelivered) can apply anything once the step is undone.
+            undoes = {"undoes_key": forward_key, "undoes_attempt": state.steps[event.step_index].attempt}
         self._ensure_topic(TopicSpec(self.layout.agent(agent), self.layout.partitions))
         output.send(self.layout.agent(agent), AgentRequest(
             task_id=state.task_id, step=event.step, attempt=event.attempt, attempt_id=event.attempt_id,
             idempotency_key=key, complete_by=event.complete_by, calls_allowed=event.calls_allowed, input=data,
+            **undoes,
         ))
 
     def _reply_topic(self, state: TaskState, command: Message) -> str | None:

@@ -113,6 +113,23 @@ class MessageIgnored(Event):
     reason: str
 
 
+class LateResultRecorded(Event):
+    """An agent's definite answer (success or permanent refusal) for an attempt that is no longer current.
+
+    A late success proves the step's side effect exists; it is recorded as that fact, with what it means
+    for the task now (``consequence``), rather than dropped as an ignored message. It changes no state:
+    every step any attempt started is already in the compensation plan, and an undo fences the step's key
+    at the service, so an effect that reports late was applied before its undo and is covered by it.
+    """
+
+    step: str
+    attempt_id: str
+    ok: bool
+    permanent: bool = False
+    compensation: bool = Field(default=False, description="the answer is of a compensation attempt")
+    consequence: str
+
+
 class TaskCompleted(Event):
     """Every step succeeded."""
 
@@ -139,7 +156,11 @@ class OperatorAlert(Event):
 
 
 class CompensationStarted(Event):
-    """Undoing began. ``steps``: the completed steps to undo, in the order they will be undone.
+    """Undoing began. ``steps``: the steps that may have been applied, in the order they will be undone.
+
+    A step may have been applied once any attempt of it started: its call may have landed although the
+    attempt timed out, was abandoned or answered late (and a redelivered request may still call), so the
+    plan is every started step, last started first, not only the ones that reported success.
 
     ``trigger`` says why: the workflow's policy after a step gave up (``escalation``, ``step`` names it),
     an operator's ``compensate`` of a task in error, or an operator's ``cancel`` of a running task.
@@ -154,7 +175,7 @@ class CompensationStarted(Event):
 
 
 class StepCompensationSkipped(Event):
-    """A completed step declares no compensating action: recorded as having nothing to undo."""
+    """A step in the plan declares no compensating action: recorded as having nothing to undo."""
 
     step: str
     reason: str
@@ -193,7 +214,7 @@ class StepCompensationFailed(Event):
 
 
 class TaskCompensated(Event):
-    """Every completed step was undone or had nothing to undo."""
+    """Every step that may have been applied was undone (its key fenced at the service) or has no undo."""
 
 
 class TaskCompensationFailed(Event):
@@ -302,6 +323,11 @@ class AgentRequest(Message):
     complete_by: Timestamp
     calls_allowed: int = Field(ge=0)
     input: JsonObject
+    undoes_key: str | None = Field(
+        default=None, description="a compensation's only: the idempotency key of the forward step it undoes; "
+        "the service refuses every later forward call with that key (a tombstone)")
+    undoes_attempt: int | None = Field(
+        default=None, ge=1, description="a compensation's only: the highest forward attempt (fencing token) started")
 
 
 class StatusUpdate(Message):
@@ -338,4 +364,5 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     CompensationRetried,
     OperatorCommandRefused,
     OperatorCommand,
+    LateResultRecorded,
 )

@@ -88,3 +88,59 @@ def test_an_attempt_stays_within_its_allowance_its_retry_limit_its_budget_and_it
     assert all(start + timeout <= deadline + 1e-6 for start, timeout in zip(starts, timeouts, strict=True)), \
         "no call may run past the deadline"
     assert all(timeout <= retry.call_timeout_s for timeout in timeouts)
+
+
+@settings(max_examples=200, deadline=None)
+@given(min_call_s=st.floats(0.0, 2.0), deadline_s=st.floats(0.1, 10.0),
+       script=st.lists(answers, min_size=1, max_size=20), seed=st.integers(0, 2**16))
+def test_no_call_starts_with_less_time_left_than_a_call_needs(
+    min_call_s: float, deadline_s: float, script: list[tuple[float, float | None]], seed: int,
+) -> None:
+    """A call cut off by the deadline may still land at the service: it is not started at all."""
+    clock = FakeTime()
+    starts: list[float] = []
+
+    def handler(call: Call) -> dict[str, Any]:
+        starts.append(clock.t)
+        duration, retry_after = script[(len(starts) - 1) % len(script)]
+        clock.t += min(duration, call.timeout_s)
+        raise TransientError("503", retry_after_s=retry_after)
+
+    retry = RetryPolicy(max_retries=50, initial_backoff_s=0.01, max_backoff_s=1.0, min_call_time_s=min_call_s)
+    policy = DependencyPolicy(retry=retry, breaker=BreakerPolicy(enabled=False),
+                              budget=BudgetPolicy(retries_per_window=100, ratio=0, window_s=3600))
+    agent = Agent("prop", handler, policy, sleep=clock.sleep, monotonic=clock.monotonic, now=clock.now,
+                  rng=random.Random(seed))
+    request = AgentRequest(task_id="t", step="s", attempt=1, attempt_id="t:s:1", idempotency_key="t:s",
+                           complete_by=EPOCH + timedelta(seconds=deadline_s), calls_allowed=50, input={})
+    deadline = (request.complete_by - EPOCH).total_seconds()
+
+    result = agent.execute(request)
+
+    assert result.calls == len(starts)
+    assert all(deadline - start >= min_call_s for start in starts)
+
+
+def test_an_attempt_with_less_time_left_than_the_usual_call_answers_at_once_without_calling() -> None:
+    """Unconfigured, the time a call needs is what answered calls to the dependency took."""
+    clock = FakeTime()
+    calls: list[float] = []
+
+    def handler(call: Call) -> dict[str, Any]:
+        calls.append(clock.t)
+        clock.t += 0.5  # the service answers in half a second
+        return {"ok": True}
+
+    agent = Agent("usual", handler, DependencyPolicy(breaker=BreakerPolicy(enabled=False)), sleep=clock.sleep,
+                  monotonic=clock.monotonic, now=clock.now)
+
+    def request(n: int, left_s: float) -> AgentRequest:
+        return AgentRequest(task_id=f"t{n}", step="s", attempt=1, attempt_id=f"t{n}:s:1", idempotency_key=f"t{n}:s",
+                            complete_by=EPOCH + timedelta(seconds=clock.t + left_s), calls_allowed=3, input={})
+
+    assert agent.execute(request(1, 5.0)).ok
+    late = agent.execute(request(2, 0.3))
+
+    assert len(calls) == 1
+    assert not late.ok and not late.permanent and late.calls == 0
+    assert "not started" in (late.error or "")

@@ -23,6 +23,7 @@ from scheduler.decider import fold
 from schemas.messages import (
     CompensationStarted,
     Event,
+    LateResultRecorded,
     MessageIgnored,
     OperatorAlert,
     OperatorCommandRefused,
@@ -96,7 +97,7 @@ def applied(system: System, operation: str, key: str) -> int:
     return system.admin.calls()["applied"].get(operation, {}).get(key, 0)
 
 
-def test_a_permanent_failure_of_the_third_step_undoes_the_second_then_the_first(saga: System) -> None:
+def test_a_permanent_failure_of_the_third_step_undoes_it_then_the_second_then_the_first(saga: System) -> None:
     saga.admin.set_faults("shipping/create", permanent_error_rate=1.0)
     start(saga)
     saga.submit("saga-1", workflow="orders-comp")
@@ -107,17 +108,20 @@ def test_a_permanent_failure_of_the_third_step_undoes_the_second_then_the_first(
         "CompensationStarted",
         "StepCompensationStarted", "StepCompensated",
         "StepCompensationStarted", "StepCompensated",
+        "StepCompensationStarted", "StepCompensated",
         "TaskCompensated",
     ]
     (started,) = of(events, CompensationStarted)
-    assert (started.trigger, started.step, started.steps) == ("escalation", "ship", ["charge", "reserve"])
+    assert (started.trigger, started.step, started.steps) == ("escalation", "ship", ["ship", "charge", "reserve"]), \
+        "the refused step made a call: it may have been applied, so it is undone too (first)"
     assert [e.attempt_id for e in of(events, StepCompensationStarted)] == [
-        "saga-1:charge:undo:1", "saga-1:reserve:undo:1"]
+        "saga-1:ship:undo:1", "saga-1:charge:undo:1", "saga-1:reserve:undo:1"]
     assert [e.sequence for e in events] == list(range(1, len(events) + 1))
 
     records = saga.admin.records("saga-1")
     assert [e["operation"] for e in records["effects"]] == [
-        "inventory/reserve", "payments/charge", "payments/refund", "inventory/release"], "undone in reverse order"
+        "inventory/reserve", "payments/charge", "shipping/cancel", "payments/refund", "inventory/release"], \
+        "undone in reverse order"
     assert [c["status"] for c in records["charges"].values()] == ["refunded"]
     assert [r["status"] for r in records["reservations"].values()] == ["released"]
     assert records["shipments"] == {}
@@ -230,7 +234,7 @@ def test_a_scheduler_killed_mid_compensation_is_replaced_and_no_compensating_act
         assert [r["status"] for r in records["reservations"].values()] == ["released"]
         events = saga.events(task_id)
         assert [e.sequence for e in events] == list(range(1, len(events) + 1)), "one history, no gaps or repeats"
-        assert [e.step for e in of(events, StepCompensated)] == ["charge", "reserve"]
+        assert [e.step for e in of(events, StepCompensated)] == ["ship", "charge", "reserve"]
 
 
 def test_an_operator_resubmits_a_failed_step_after_the_service_is_fixed_and_the_task_completes(saga: System) -> None:
@@ -271,17 +275,21 @@ def test_an_operator_cancels_a_running_task_and_commands_its_state_forbids_are_r
 
     cancelled = operator(saga, "cancel", "busy", "--command-id", "cancel-busy", "--wait")
     assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
-    assert cancelled.stdout.strip() == "accepted: compensating (cancel): reserve"
+    assert cancelled.stdout.strip() == "accepted: compensating (cancel): charge, reserve"
     assert saga.wait_terminal(["busy"]) == {"busy": "compensated"}
     records = saga.admin.records("busy")
     assert [r["status"] for r in records["reservations"].values()] == ["released"]
     assert records["charges"] == {}, "the hung charge applied nothing"
+    assert "busy:charge" in records["tombstones"]["payments/charge"], "the abandoned charge was undone (fenced)"
     abandoned = next(e for e in saga.events("busy") if isinstance(e, StepFailed) and "abandoned" in e.error)
-    assert wait_for(lambda: any(isinstance(e, MessageIgnored) and e.attempt_id == abandoned.attempt_id
-                                for e in saga.events("busy")), timeout_s=30), "the late answer is ignored"
+    # The abandoned attempt answers late: a timeout (ignored), or, when its retry met the tombstone its undo
+    # left, a permanent "already undone" (recorded as a late result). Either way nothing changes.
+    assert wait_for(lambda: any(isinstance(e, MessageIgnored | LateResultRecorded)
+                                and e.attempt_id == abandoned.attempt_id for e in saga.events("busy")),
+                    timeout_s=30), "the late answer is recorded and changes nothing"
 
     again = operator(saga, "cancel", "busy", "--command-id", "cancel-busy", "--wait")
-    assert again.returncode == 0 and again.stdout.strip() == "accepted: compensating (cancel): reserve", \
+    assert again.returncode == 0 and again.stdout.strip() == "accepted: compensating (cancel): charge, reserve", \
         "the same command id reports its one outcome"
     compensate = operator(saga, "compensate", "busy", "--wait")  # answered after the repeat: same partition
     assert compensate.returncode == 6

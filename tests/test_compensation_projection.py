@@ -61,17 +61,17 @@ def test_a_compensating_step_shows_its_compensation_lock_and_deadline_and_the_su
     projected(failure(state, permanent=True))
     task = projected.store.task("t1")
     assert task is not None and task["status"] == "compensating"
-    assert task["current_step"] == "charge" and task["error"].startswith("ship: permanent failure")
+    assert task["current_step"] == "ship" and task["error"].startswith("ship: permanent failure")
     steps = {s["step"]: s for s in task["steps"]}
-    charge = steps["charge"]
-    assert (charge["status"], charge["attempt_id"], charge["complete_by"], charge["compensation_attempt"]) == (
-        "compensating", "t1:charge:undo:1", ms(NOW + timedelta(seconds=5)), 1)
-    assert (charge["attempt"], charge["calls_used"]) == (1, 1), "the forward attempt's record is kept"
-    assert steps["ship"]["status"] == "failed"
+    ship = steps["ship"]
+    assert (ship["status"], ship["attempt_id"], ship["complete_by"], ship["compensation_attempt"]) == (
+        "compensating", "t1:ship:undo:1", ms(NOW + timedelta(seconds=5)), 1), "the failed step is undone first"
+    assert (ship["attempt"], ship["calls_used"]) == (1, 1), "the forward attempt's record is kept"
+    assert steps["charge"]["status"] == "succeeded"
     window = NOW - timedelta(days=1)
     assert projected.store.expired_steps(NOW + timedelta(seconds=4), not_before=window) == []
     (expired,) = projected.store.expired_steps(NOW + timedelta(seconds=5), not_before=window)
-    assert (expired.task_id, expired.step, expired.attempt_id) == ("t1", "charge", "t1:charge:undo:1")
+    assert (expired.task_id, expired.step, expired.attempt_id) == ("t1", "ship", "t1:ship:undo:1")
 
 
 def test_the_expired_step_scan_is_one_index_range_over_processing_and_compensating_steps(
@@ -81,7 +81,7 @@ def test_the_expired_step_scan_is_one_index_range_over_processing_and_compensati
     undoing = projected.through_last_step("t2")
     projected(failure(undoing, permanent=True))
     found = projected.store.expired_steps(NOW + timedelta(hours=1), not_before=NOW - timedelta(days=1), limit=1)
-    assert [(e.task_id, e.attempt_id) for e in found] == [("t2", "t2:charge:undo:1")], "oldest deadline first"
+    assert [(e.task_id, e.attempt_id) for e in found] == [("t2", "t2:ship:undo:1")], "oldest deadline first"
     rest = projected.store.expired_steps(NOW + timedelta(hours=1), not_before=NOW - timedelta(days=1),
                                          after=(found[0].complete_by_ms, found[0].task_id, found[0].step))
     assert [(e.task_id, e.attempt_id) for e in rest] == [("t1", forward.steps[0].attempt_id)]
@@ -97,7 +97,8 @@ def test_dashboards_tell_error_compensating_compensated_and_compensation_failed_
     projected(failure(undoing, permanent=True))
     done = projected.through_last_step("compensated")
     done = projected(failure(done, permanent=True))
-    done = projected(ok(done))
+    for _ in range(2):
+        done = projected(ok(done))
     projected(ok(done))
     stuck = projected.through_last_step("compensation-failed")
     stuck = projected(failure(stuck, permanent=True))
@@ -106,17 +107,17 @@ def test_dashboards_tell_error_compensating_compensated_and_compensation_failed_
     assert projected.store.counts_by_status() == {
         "error": 1, "compensating": 1, "compensated": 1, "compensation_failed": 1}
     failed = projected.store.task("compensation-failed")
-    assert failed is not None and failed["error"].startswith("charge: failure threshold reached")
-    charge = next(s for s in failed["steps"] if s["step"] == "charge")
-    assert (charge["status"], charge["compensation_failure_count"], charge["compensation_calls_used"]) == (
+    assert failed is not None and failed["error"].startswith("ship: failure threshold reached")
+    ship = next(s for s in failed["steps"] if s["step"] == "ship")
+    assert (ship["status"], ship["compensation_failure_count"], ship["compensation_calls_used"]) == (
         "compensation_failed", 2, 3)
-    assert "timed out" in charge["compensation_error"]
+    assert "timed out" in ship["compensation_error"]
     alerts = [a for a in projected.store.alerts() if a["task_id"] == "compensation-failed"]
-    assert [a["step"] for a in alerts] == ["charge"]
+    assert [a["step"] for a in alerts] == ["ship"]
     compensated = projected.store.task("compensated")
     assert compensated is not None
     assert [s["status"] for s in compensated["steps"]] == [
-        "compensated", "compensation_skipped", "compensated", "failed"]
+        "compensated", "compensation_skipped", "compensated", "compensated"]
 
 
 def test_operator_commands_show_in_the_projection_and_a_refusal_changes_no_row(projected: Projected) -> None:

@@ -28,6 +28,7 @@ from schemas.codec import default_codec
 from schemas.messages import (
     CompensationStarted,
     Event,
+    LateResultRecorded,
     MessageIgnored,
     OperatorAlert,
     OperatorCommandRefused,
@@ -415,7 +416,7 @@ def test_calls_reported_beyond_the_allowance_are_capped_and_raise_an_alert() -> 
     assert after is not None and after.steps[0].calls_used == 3
 
 
-def test_a_late_result_of_a_previous_attempt_is_recorded_as_ignored_and_changes_nothing() -> None:
+def test_a_late_transient_failure_of_a_previous_attempt_is_recorded_as_ignored_and_changes_nothing() -> None:
     state = started()
     late = failure(state)  # names attempt 1
     state = apply(failure(state), state)  # attempt 2 is current now
@@ -425,6 +426,22 @@ def test_a_late_result_of_a_previous_attempt_is_recorded_as_ignored_and_changes_
     assert isinstance(ignored, MessageIgnored)
     assert (ignored.attempt_id, ignored.message_type) == ("t1:reserve:1", "StepResult")
     assert "not the current attempt" in ignored.reason
+    assert after == replace(state, sequence=state.sequence + 1)
+
+
+def test_a_late_permanent_failure_of_a_previous_attempt_is_recorded_and_changes_nothing() -> None:
+    state = started()
+    late = failure(state, permanent=True, error="refused")  # names attempt 1
+    state = apply(failure(state), state)  # attempt 2 is current now
+    decision, after = run(late, state)
+    assert types(decision) == [LateResultRecorded]
+    recorded = decision.events[0]
+    assert isinstance(recorded, LateResultRecorded)
+    assert (recorded.step, recorded.attempt_id, recorded.ok, recorded.permanent, recorded.compensation) == (
+        "reserve", "t1:reserve:1", False, True, False)
+    assert recorded.consequence == ("late answer for step 'reserve': that call was refused, earlier calls may have "
+                                    "landed; attempt t1:reserve:2 in progress uses the same idempotency key and "
+                                    "gets it replayed")
     assert after == replace(state, sequence=state.sequence + 1)
 
 
@@ -441,14 +458,28 @@ def test_a_result_that_does_not_name_the_current_attempt_is_ignored(step: str, a
     assert after == replace(state, sequence=state.sequence + 1)
 
 
-def test_a_result_for_a_finished_task_is_ignored() -> None:
+def test_a_duplicate_success_for_a_finished_task_is_recorded_as_a_late_result_and_changes_nothing() -> None:
     state = started(workflow="one-shot")
     duplicate = ok(state)
     state = apply(duplicate, state)
     decision, after = run(duplicate, state)
+    assert types(decision) == [LateResultRecorded]
+    late = decision.events[0]
+    assert isinstance(late, LateResultRecorded)
+    assert (late.step, late.attempt_id, late.ok, late.permanent, late.compensation) == (
+        "only", "t1:only:1", True, False, False)
+    assert "the step already succeeded with the same idempotency key" in late.consequence
+    assert after == replace(state, sequence=state.sequence + 1) and after.status == "completed"
+
+
+def test_a_transient_failure_for_a_finished_task_is_ignored() -> None:
+    state = started(workflow="one-shot")
+    duplicate = failure(state)
+    state = apply(ok(state), state)
+    decision, after = run(duplicate, state)
     assert types(decision) == [MessageIgnored]
-    assert "completed" in reason(decision.events[0])
-    assert after is not None and after.status == "completed"
+    assert "task is completed" in reason(decision.events[0])
+    assert after == replace(state, sequence=state.sequence + 1) and after.status == "completed"
 
 
 def test_a_result_or_recovery_for_an_unknown_task_goes_to_the_dlq() -> None:
@@ -700,13 +731,15 @@ def test_impossible_histories_are_invalid_transitions(events: list[Event]) -> No
         fold(events)
 
 
-def test_ignored_messages_and_alerts_may_follow_a_terminal_state_and_only_advance_the_sequence() -> None:
+def test_ignored_messages_late_results_and_alerts_may_follow_a_terminal_state_and_only_advance_the_sequence() -> None:
     events = history()
     done = fold(events)
     assert done is not None and done.is_terminal
     more = [event(MessageIgnored, len(events) + 1, attempt_id="a", message_type="StepResult", reason="r"),
-            event(OperatorAlert, len(events) + 2, reason="r")]
-    assert fold(more, done) == replace(done, sequence=len(events) + 2)
+            event(LateResultRecorded, len(events) + 2, step="reserve", attempt_id="t1:reserve:1", ok=True,
+                  consequence="c"),
+            event(OperatorAlert, len(events) + 3, reason="r")]
+    assert fold(more, done) == replace(done, sequence=len(events) + 3)
 
 
 def test_evolve_builds_a_step_when_its_first_attempt_starts() -> None:

@@ -1,5 +1,6 @@
-"""The decider's compensation and operator rules: reverse-order undoing, its attempts, budgets and
-thresholds, and the commands operators give, accepted or refused."""
+"""The decider's compensation and operator rules: undoing every step that may have been applied (last
+started first, the failed or abandoned one included), its attempts, budgets and thresholds, late answers
+recorded as facts, and the commands operators give, accepted or refused."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from schemas.messages import (
     CompensationRetried,
     CompensationStarted,
     Event,
+    LateResultRecorded,
     MessageIgnored,
     OperatorAction,
     OperatorAlert,
@@ -67,7 +69,12 @@ def _steps() -> tuple[Step, ...]:
 SAGA = Workflow("saga", 1, _steps(), failure_threshold=2, escalation="compensate")
 HELD = Workflow("held", 1, _steps(), failure_threshold=2, escalation="error")
 PATIENT = Workflow("patient", 1, _steps(), failure_threshold=5, escalation="compensate")
-REGISTRY = WorkflowRegistry.of([SAGA, HELD, PATIENT])
+BRITTLE = Workflow("brittle", 1, _steps(), failure_threshold=1, escalation="compensate")
+"""Gives a step up after its first failed attempt: a single timeout escalates."""
+LEAN = Workflow("lean", 1, (Step("notify", "mailer"), Step("reserve", "inventory", compensation=UNDO)),
+                failure_threshold=1, escalation="compensate")
+"""Starts with a step that declares nothing to undo."""
+REGISTRY = WorkflowRegistry.of([SAGA, HELD, PATIENT, BRITTLE, LEAN])
 
 
 def run(command: Command, state: TaskState | None, *, now: datetime = NOW) -> tuple[Decision, TaskState | None]:
@@ -91,7 +98,7 @@ def at_last_step(workflow: str = "saga") -> TaskState:
 
 
 def compensating() -> TaskState:
-    """ship failed for good: charge's compensation is in progress."""
+    """ship failed for good: ship's own compensation (its call may have landed) is in progress."""
     state = at_last_step()
     return apply(failure(state, permanent=True), state)
 
@@ -124,29 +131,44 @@ def only(decision: Decision, kind: type[Event]) -> list[Any]:
     return [e for e in decision.events if isinstance(e, kind)]
 
 
+def undo_all(state: TaskState) -> TaskState:
+    """Every compensation attempt succeeds until the task is compensated."""
+    while state.status == "compensating":
+        state = apply(ok(state), state)
+    assert state.status == "compensated"
+    return state
+
+
 # ---- compensating after a step gives up ---------------------------------------------------------
 
 
-def test_a_permanent_failure_under_the_compensate_policy_undoes_the_last_completed_step_first() -> None:
+def test_a_permanent_failure_under_the_compensate_policy_undoes_the_failed_step_first_then_the_completed_ones() -> None:
     state = at_last_step()
     later = NOW + timedelta(seconds=7)
     decision, after = run(failure(state, permanent=True), state, now=later)
     assert types(decision) == [StepFailed, CompensationStarted, StepCompensationStarted]
     _, started, undo = decision.events
     assert isinstance(started, CompensationStarted) and isinstance(undo, StepCompensationStarted)
-    assert (started.trigger, started.step, started.steps) == ("escalation", "ship", ["charge", "notify", "reserve"])
+    assert (started.trigger, started.step, started.steps) == (
+        "escalation", "ship", ["ship", "charge", "notify", "reserve"])
     assert "permanent failure of step 'ship'" in started.reason
     assert started.command_id is None
-    assert (undo.step, undo.step_index, undo.attempt, undo.attempt_id) == ("charge", 2, 1, "t1:charge:undo:1")
+    assert (undo.step, undo.step_index, undo.attempt, undo.attempt_id) == ("ship", 3, 1, "t1:ship:undo:1")
     assert undo.complete_by == later + timedelta(seconds=5)
     assert undo.calls_allowed == 2
-    assert after is not None and after.status == "compensating" and after.current_step == 2
-    assert [s.status for s in after.steps] == ["succeeded", "succeeded", "compensating", "failed"]
+    assert after is not None and after.status == "compensating" and after.current_step == 3
+    assert [s.status for s in after.steps] == ["succeeded", "succeeded", "succeeded", "compensating"]
 
 
 def test_compensation_continues_in_reverse_order_and_a_step_without_one_is_recorded_as_nothing_to_undo() -> None:
     state = compensating()
-    decision, state_after = run(ok(state, output={"refund_id": "re-1"}, calls=2), state)
+    decision, state_after = run(ok(state, output={"cancel_id": "ca-1"}), state)
+    assert types(decision) == [StepCompensated, StepCompensationStarted]
+    done, undo = decision.events
+    assert isinstance(done, StepCompensated) and (done.step, done.output) == ("ship", {"cancel_id": "ca-1"})
+    assert isinstance(undo, StepCompensationStarted) and undo.step == "charge"
+    assert state_after is not None
+    decision, state_after = run(ok(state_after, output={"refund_id": "re-1"}, calls=2), state_after)
     assert types(decision) == [StepCompensated, StepCompensationSkipped, StepCompensationStarted]
     done, skipped, undo = decision.events
     assert isinstance(done, StepCompensated) and (done.step, done.output, done.calls) == (
@@ -158,17 +180,31 @@ def test_compensation_continues_in_reverse_order_and_a_step_without_one_is_recor
     decision, final = run(ok(state_after, output={}), state_after)
     assert types(decision) == [StepCompensated, TaskCompensated]
     assert final is not None and final.status == "compensated" and final.current_step is None
-    assert [s.status for s in final.steps] == ["compensated", "compensation_skipped", "compensated", "failed"]
+    assert [s.status for s in final.steps] == ["compensated", "compensation_skipped", "compensated", "compensated"]
+    assert final.steps[3].compensation.output == {"cancel_id": "ca-1"}
     assert final.steps[2].compensation.output == {"refund_id": "re-1"}
     assert final.steps[2].compensation.calls_used == 2
 
 
-def test_compensating_a_task_that_completed_nothing_ends_compensated_at_once() -> None:
+def test_a_first_step_that_fails_for_good_before_anything_completed_is_itself_undone() -> None:
     state = apply(submit(workflow="saga"), None)
     decision, after = run(failure(state, permanent=True), state)
-    assert types(decision) == [StepFailed, CompensationStarted, TaskCompensated]
-    assert only(decision, CompensationStarted)[0].steps == []
+    assert types(decision) == [StepFailed, CompensationStarted, StepCompensationStarted]
+    assert only(decision, CompensationStarted)[0].steps == ["reserve"]
+    assert only(decision, StepCompensationStarted)[0].attempt_id == "t1:reserve:undo:1"
+    assert after is not None and after.status == "compensating"
+    decision, final = run(ok(after), after)
+    assert types(decision) == [StepCompensated, TaskCompensated]
+    assert final is not None and [s.status for s in final.steps] == ["compensated"]
+
+
+def test_compensating_a_task_whose_started_steps_have_nothing_to_undo_ends_compensated_at_once() -> None:
+    state = apply(submit(workflow="lean"), None)
+    decision, after = run(failure(state, permanent=True), state)
+    assert types(decision) == [StepFailed, CompensationStarted, StepCompensationSkipped, TaskCompensated]
+    assert only(decision, CompensationStarted)[0].steps == ["notify"]
     assert after is not None and after.status == "compensated"
+    assert [s.status for s in after.steps] == ["compensation_skipped"]
 
 
 def test_a_step_that_exhausts_its_budget_under_the_compensate_policy_is_compensated_for() -> None:
@@ -180,6 +216,23 @@ def test_a_step_that_exhausts_its_budget_under_the_compensate_policy_is_compensa
     started = only(decision, CompensationStarted)[0]
     assert started.trigger == "escalation" and "threshold" in started.reason
     assert after is not None and after.status == "compensating"
+
+
+def test_a_step_whose_only_attempt_timed_out_is_in_the_plan_and_is_undone() -> None:
+    state = apply(submit(workflow="brittle"), None)  # reserve's first attempt is out, threshold 1
+    decision, after = run(recover(state), state, now=NOW + timedelta(seconds=11))
+    assert types(decision) == [StepFailed, CompensationStarted, StepCompensationStarted]
+    timed_out, started, undo = decision.events
+    assert isinstance(timed_out, StepFailed) and timed_out.timed_out and timed_out.attempt_id == "t1:reserve:1"
+    assert isinstance(started, CompensationStarted) and started.steps == ["reserve"], \
+        "a timed-out call may have landed: its step is undone"
+    assert isinstance(undo, StepCompensationStarted) and (undo.step, undo.attempt_id) == (
+        "reserve", "t1:reserve:undo:1")
+    assert after is not None
+    decision, final = run(ok(after), after)
+    assert types(decision) == [StepCompensated, TaskCompensated]
+    assert final is not None and final.status == "compensated"
+    assert [s.status for s in final.steps] == ["compensated"]
 
 
 def test_the_compensation_input_is_the_task_input_and_the_outputs_up_to_the_undone_step() -> None:
@@ -215,14 +268,15 @@ def test_a_transient_compensation_failure_below_the_threshold_retries_with_the_n
     failed, retry = decision.events
     assert isinstance(failed, StepCompensationFailed) and isinstance(retry, StepCompensationStarted)
     assert (failed.attempt_id, failed.failure_count, failed.permanent, failed.timed_out) == (
-        "t1:charge:undo:1", 1, False, False)
-    assert (retry.attempt, retry.attempt_id, retry.complete_by) == (2, "t1:charge:undo:2", later + timedelta(seconds=5))
+        "t1:ship:undo:1", 1, False, False)
+    assert (retry.attempt, retry.attempt_id, retry.complete_by) == (2, "t1:ship:undo:2", later + timedelta(seconds=5))
     assert retry.calls_allowed == 2  # budget 3, one call used
     assert after is not None and current(after).compensation.failure_count == 1
 
 
 def test_a_permanent_compensation_failure_stops_undoing_with_an_alert_naming_the_step() -> None:
     state = compensating()
+    state = apply(ok(state), state)  # ship undone: charge's compensation is in progress
     decision, after = run(failure(state, permanent=True, error="refund refused"), state)
     assert types(decision) == [StepCompensationFailed, TaskCompensationFailed, OperatorAlert]
     task_failed, alert = decision.events[1:]
@@ -230,14 +284,14 @@ def test_a_permanent_compensation_failure_stops_undoing_with_an_alert_naming_the
     assert "refund refused" in task_failed.reason
     assert isinstance(alert, OperatorAlert) and alert.step == "charge"
     assert after is not None and after.status == "compensation_failed" and after.is_terminal
-    assert [s.status for s in after.steps] == ["succeeded", "succeeded", "compensation_failed", "failed"], \
+    assert [s.status for s in after.steps] == ["succeeded", "succeeded", "compensation_failed", "compensated"], \
         "the earlier steps stay as they were: nothing is undone out of order"
 
 
 def test_a_compensation_that_keeps_timing_out_ends_compensation_failed_at_the_threshold() -> None:
     state = compensating()
     first = recover(state)
-    assert first.attempt_id == "t1:charge:undo:1"
+    assert first.attempt_id == "t1:ship:undo:1"
     decision, state_after = run(first, state, now=NOW + timedelta(seconds=5))
     assert types(decision) == [StepCompensationFailed, StepCompensationStarted]
     timed_out = only(decision, StepCompensationFailed)[0]
@@ -267,25 +321,147 @@ def test_a_compensation_is_granted_only_what_is_left_of_its_budget_and_fails_whe
     assert types(decision) == [StepCompensationFailed, OperatorAlert, TaskCompensationFailed, OperatorAlert]
     assert only(decision, StepCompensationFailed)[0].calls == 1, "overspent calls are capped at the allowance"
     assert "compensation budget exhausted" in reason(decision.events[2])
-    assert after is not None and step_named(after, "charge").compensation.calls_used == 3
+    assert after is not None and step_named(after, "ship").compensation.calls_used == 3
 
 
-def test_a_late_result_of_the_failed_forward_attempt_is_ignored_while_compensating() -> None:
+def test_a_late_success_of_the_failed_forward_attempt_is_recorded_while_its_undo_runs_and_changes_nothing() -> None:
     state = compensating()
     late = StepResult(task_id="t1", step="ship", attempt_id="t1:ship:1", ok=True, output={})
+    decision, after = run(late, state)
+    assert types(decision) == [LateResultRecorded]
+    recorded = decision.events[0]
+    assert isinstance(recorded, LateResultRecorded)
+    assert (recorded.step, recorded.attempt_id, recorded.ok, recorded.compensation) == (
+        "ship", "t1:ship:1", True, False)
+    assert recorded.consequence == ("late answer for step 'ship': its effect exists at the service; "
+                                    "its undo is in progress")
+    assert after == replace(state, sequence=state.sequence + 1)
+
+
+def test_a_repeated_undo_answer_for_a_compensated_task_is_recorded_as_a_late_result_and_changes_nothing() -> None:
+    state = compensating()
+    result = ok(state)  # ship's undo, attempt 1
+    state = undo_all(apply(result, state))
+    decision, after = run(result, state)
+    assert types(decision) == [LateResultRecorded]
+    recorded = decision.events[0]
+    assert isinstance(recorded, LateResultRecorded)
+    assert (recorded.step, recorded.attempt_id, recorded.ok, recorded.compensation) == (
+        "ship", "t1:ship:undo:1", True, True)
+    assert "the step is recorded as undone" in recorded.consequence
+    assert after == replace(state, sequence=state.sequence + 1)
+
+
+def test_a_transient_failure_for_a_compensated_task_is_ignored() -> None:
+    state = compensating()
+    stale = failure(state)  # ship's undo, attempt 1
+    state = undo_all(state)
+    decision, after = run(stale, state)
+    assert types(decision) == [MessageIgnored]
+    assert "task is compensated" in reason(decision.events[0])
+    assert after == replace(state, sequence=state.sequence + 1)
+
+
+# ---- late answers ---------------------------------------------------------------------------------
+
+
+def test_a_late_success_after_the_task_is_compensated_is_recorded_as_released_by_the_fencing_undo() -> None:
+    state = at_last_step()
+    late = ok(state)  # ship's attempt 1, which is about to be reported failed
+    state = undo_all(apply(failure(state, permanent=True), state))
+    decision, after = run(late, state)
+    assert types(decision) == [LateResultRecorded]
+    recorded = decision.events[0]
+    assert isinstance(recorded, LateResultRecorded)
+    assert (recorded.step, recorded.attempt_id, recorded.ok, recorded.permanent, recorded.compensation) == (
+        "ship", "t1:ship:1", True, False, False)
+    assert "its effect exists at the service" in recorded.consequence
+    assert "its undo fenced the key at the service" in recorded.consequence
+    assert after == replace(state, sequence=state.sequence + 1)
+
+
+def test_a_late_success_of_an_abandoned_attempt_while_its_undo_runs_says_the_undo_in_progress_covers_it() -> None:
+    state = at_last_step("held")
+    late = ok(state)  # ship's attempt 1, in flight when the task is cancelled
+    state = apply(command(state, "cancel"), state)
+    assert step_named(state, "ship").status == "compensating"
+    decision, after = run(late, state)
+    assert types(decision) == [LateResultRecorded]
+    recorded = decision.events[0]
+    assert isinstance(recorded, LateResultRecorded) and (recorded.step, recorded.ok) == ("ship", True)
+    assert recorded.consequence.endswith("its undo is in progress")
+    assert after == replace(state, sequence=state.sequence + 1)
+
+
+def test_a_late_success_for_the_failed_step_of_a_task_in_error_says_compensating_the_task_undoes_it() -> None:
+    state = at_last_step("held")
+    late = ok(state)
+    state = apply(failure(state, permanent=True), state)
+    assert state.status == "error"
+    decision, after = run(late, state)
+    assert types(decision) == [LateResultRecorded]
+    recorded = decision.events[0]
+    assert isinstance(recorded, LateResultRecorded)
+    assert "compensating the task undoes it" in recorded.consequence
+    assert after == replace(state, sequence=state.sequence + 1)
+
+
+def test_a_late_answer_of_an_earlier_undo_attempt_is_recorded_as_a_compensation_answer() -> None:
+    state = compensating()
+    late = ok(state)  # ship's undo, attempt 1
+    state = apply(failure(state), state)  # attempt 2 of the undo is in progress
+    decision, after = run(late, state)
+    assert types(decision) == [LateResultRecorded]
+    recorded = decision.events[0]
+    assert isinstance(recorded, LateResultRecorded)
+    assert (recorded.step, recorded.attempt_id, recorded.compensation) == ("ship", "t1:ship:undo:1", True)
+    assert "an undo attempt with the same key is in progress" in recorded.consequence
+    assert after == replace(state, sequence=state.sequence + 1)
+
+
+def test_a_late_permanent_failure_is_recorded_as_a_refusal() -> None:
+    state = compensating()
+    late = StepResult(task_id="t1", step="ship", attempt_id="t1:ship:1", ok=False, error="refused", permanent=True)
+    decision, after = run(late, state)
+    assert types(decision) == [LateResultRecorded]
+    recorded = decision.events[0]
+    assert isinstance(recorded, LateResultRecorded) and (recorded.ok, recorded.permanent) == (False, True)
+    assert "that call was refused" in recorded.consequence
+    assert after == replace(state, sequence=state.sequence + 1)
+
+
+def test_a_late_transient_failure_is_ignored_while_compensating() -> None:
+    state = compensating()
+    late = StepResult(task_id="t1", step="ship", attempt_id="t1:ship:1", ok=False, error="503")
     decision, after = run(late, state)
     assert types(decision) == [MessageIgnored]
     assert "not the current attempt" in reason(decision.events[0])
     assert after == replace(state, sequence=state.sequence + 1)
 
 
-def test_results_for_a_compensated_task_are_ignored() -> None:
-    state = compensating()
-    result = ok(state)
-    state = apply(result, state)
-    state = apply(ok(state), state)
-    assert state.status == "compensated"
-    assert types(run(result, state)[0]) == [MessageIgnored]
+def _undone() -> TaskState:
+    return undo_all(compensating())
+
+
+@pytest.mark.parametrize(
+    ("make", "step", "attempt"),
+    [
+        (compensating, "ship", "t1:ship:2"),
+        (compensating, "ship", "t1:ship:undo:2"),
+        (compensating, "charge", "t1:charge:undo:1"),
+        (compensating, "pack", "t1:pack:1"),
+        (_undone, "ship", "t1:ship:2"),
+        (_undone, "reserve", "t1:reserve:undo:2"),
+    ],
+    ids=["forward attempt never started", "undo attempt never started", "undo of a step not undone yet",
+         "step that never ran", "forward attempt never started, task compensated",
+         "undo attempt never started, task compensated"],
+)
+def test_a_success_naming_an_attempt_that_never_started_is_ignored(make: Any, step: str, attempt: str) -> None:
+    state = make()
+    decision, after = run(StepResult(task_id="t1", step=step, attempt_id=attempt, ok=True, output={}), state)
+    assert types(decision) == [MessageIgnored]
+    assert after == replace(state, sequence=state.sequence + 1)
 
 
 # ---- operator commands ----------------------------------------------------------------------------
@@ -309,30 +485,51 @@ def test_an_operator_resubmits_the_failed_step_of_a_task_in_error_with_a_fresh_b
     assert final.status == "completed"
 
 
-def test_an_operator_compensates_a_task_in_error_keeping_the_failed_step_as_it_is() -> None:
+def test_an_operator_compensates_a_task_in_error_undoing_its_failed_step_first() -> None:
     state = in_error()
     decision, after = run(command(state, "compensate"), state)
     assert types(decision) == [CompensationStarted, StepCompensationStarted]
     started = only(decision, CompensationStarted)[0]
     assert (started.trigger, started.command_id, started.operator, started.step) == ("operator", "op-1", "alice", None)
-    assert started.steps == ["charge", "notify", "reserve"]
+    assert started.steps == ["ship", "charge", "notify", "reserve"]
+    assert only(decision, StepCompensationStarted)[0].step == "ship"
     assert after is not None and after.status == "compensating"
 
 
-def test_cancelling_a_running_task_abandons_its_attempt_and_undoes_what_completed() -> None:
+def test_cancelling_a_running_task_abandons_its_attempt_and_undoes_its_step_before_what_completed() -> None:
     state = apply(submit(workflow="held"), None)
     state = apply(ok(state, output={"reserve_id": "r"}), state)
     in_flight = ok(state)  # the answer of notify's attempt, which is in flight
     decision, after = run(command(state, "cancel"), state)
-    assert types(decision) == [StepFailed, CompensationStarted, StepCompensationStarted]
-    abandoned, started, undo = decision.events
+    assert types(decision) == [StepFailed, CompensationStarted, StepCompensationSkipped, StepCompensationStarted]
+    abandoned, started, skipped, undo = decision.events
     assert isinstance(abandoned, StepFailed) and abandoned.attempt_id == "t1:notify:1"
     assert "cancelled" in abandoned.error and abandoned.calls == 3
-    assert isinstance(started, CompensationStarted) and (started.trigger, started.steps) == ("cancel", ["reserve"])
+    assert isinstance(started, CompensationStarted) and (started.trigger, started.steps) == (
+        "cancel", ["notify", "reserve"])
+    assert isinstance(skipped, StepCompensationSkipped) and skipped.step == "notify"
     assert isinstance(undo, StepCompensationStarted) and undo.step == "reserve"
     assert after is not None
-    late, _ = run(in_flight, after)
-    assert types(late) == [MessageIgnored], "the abandoned attempt's late answer changes nothing"
+    late, later = run(in_flight, after)
+    assert types(late) == [LateResultRecorded], "the abandoned attempt's late success is recorded as a fact"
+    recorded = late.events[0]
+    assert isinstance(recorded, LateResultRecorded) and recorded.attempt_id == "t1:notify:1"
+    assert "declares no compensating action: the effect stays" in recorded.consequence
+    assert later == replace(after, sequence=after.sequence + 1), "and changes nothing"
+
+
+def test_cancelling_a_running_task_puts_the_abandoned_in_flight_step_first_in_the_plan() -> None:
+    state = at_last_step("held")  # ship's attempt is in flight
+    decision, after = run(command(state, "cancel"), state)
+    assert types(decision) == [StepFailed, CompensationStarted, StepCompensationStarted]
+    abandoned, started, undo = decision.events
+    assert isinstance(abandoned, StepFailed) and abandoned.attempt_id == "t1:ship:1"
+    assert isinstance(started, CompensationStarted) and (started.trigger, started.steps) == (
+        "cancel", ["ship", "charge", "notify", "reserve"])
+    assert isinstance(undo, StepCompensationStarted) and (undo.step, undo.attempt_id) == ("ship", "t1:ship:undo:1")
+    assert after is not None
+    final = undo_all(after)
+    assert [s.status for s in final.steps] == ["compensated", "compensation_skipped", "compensated", "compensated"]
 
 
 def test_retrying_a_failed_compensation_runs_it_again_with_a_fresh_budget_then_carries_on() -> None:
@@ -340,11 +537,14 @@ def test_retrying_a_failed_compensation_runs_it_again_with_a_fresh_budget_then_c
     decision, after = run(command(state, "retry-compensation"), state)
     assert types(decision) == [CompensationRetried, StepCompensationStarted]
     retried, undo = decision.events
-    assert isinstance(retried, CompensationRetried) and retried.step == "charge"
+    assert isinstance(retried, CompensationRetried) and retried.step == "ship"
     assert isinstance(undo, StepCompensationStarted) and (undo.attempt, undo.calls_allowed) == (2, 2)
     assert after is not None and after.status == "compensating"
     assert current(after).compensation.failure_count == 0
     after = apply(ok(after), after)
+    assert current(after).name == "charge", "then carries on with the steps before it"
+    after = apply(ok(after), after)
+    assert current(after).name == "reserve"
     after = apply(ok(after), after)
     assert after.status == "compensated"
 
@@ -373,9 +573,7 @@ def _completed() -> TaskState:
 
 
 def _compensated() -> TaskState:
-    state = compensating()
-    state = apply(ok(state), state)
-    return apply(ok(state), state)
+    return undo_all(compensating())
 
 
 @pytest.mark.parametrize(
@@ -422,15 +620,18 @@ def test_an_operator_command_for_an_unknown_task_goes_to_the_dlq() -> None:
 
 
 def _history() -> list[Event]:
-    """Ship fails, charge's compensation fails once then succeeds, notify is skipped, reserve undone."""
+    """Ship fails; its compensation fails once then succeeds; charge undone, notify skipped, reserve undone;
+    then the failed ship attempt's success arrives late."""
     state = at_last_step()
     events = _events_of(state)
-    for make in (lambda s: failure(s, permanent=True), failure, ok, ok):
+    late = ok(state)
+    for make in (lambda s: failure(s, permanent=True), failure, ok, ok, ok):
         decision, after = run(make(state), state)
         events.extend(decision.events)
         assert after is not None
         state = after
     assert state.status == "compensated"
+    events.extend(run(late, state)[0].events)
     return events
 
 
@@ -458,9 +659,10 @@ def test_a_compensation_history_replays_through_the_avro_codec_to_the_same_state
     kinds = [type(e).__name__ for e in events]
     assert kinds[kinds.index("CompensationStarted"):] == [
         "CompensationStarted", "StepCompensationStarted", "StepCompensationFailed", "StepCompensationStarted",
-        "StepCompensated", "StepCompensationSkipped", "StepCompensationStarted", "StepCompensated",
-        "TaskCompensated",
+        "StepCompensated", "StepCompensationStarted", "StepCompensated", "StepCompensationSkipped",
+        "StepCompensationStarted", "StepCompensated", "TaskCompensated", "LateResultRecorded",
     ]
+    assert [e.step for e in events if isinstance(e, StepCompensationStarted)] == ["ship", "ship", "charge", "reserve"]
 
 
 def _accepted() -> Event:
@@ -481,7 +683,7 @@ def _done(sequence: int, step: str) -> Event:
 
 
 def _two_done() -> list[Event]:
-    """reserve and notify done, charge failed for good."""
+    """reserve and notify done, charge failed for good (its call may have landed: it is undone first)."""
     return [_accepted(), _start(2, "reserve", 0), _done(3, "reserve"), _start(4, "notify", 1), _done(5, "notify"),
             _start(6, "charge", 2),
             _saga(StepFailed, 7, step="charge", attempt_id="t1:charge:1", error="e", permanent=True, calls=1,
@@ -489,9 +691,10 @@ def _two_done() -> list[Event]:
 
 
 def _began(sequence: int = 8, steps: list[str] | None = None, **fields: Any) -> Event:
-    return _saga(CompensationStarted, sequence, **({"trigger": "escalation", "reason": "r", "step": "charge",
-                                                    "steps": ["notify", "reserve"] if steps is None else steps}
-                                                   | fields))
+    """The compensation of ``_two_done``: every started step, the failed one first."""
+    plan = ["charge", "notify", "reserve"] if steps is None else steps
+    return _saga(CompensationStarted, sequence,
+                 **({"trigger": "escalation", "reason": "r", "step": "charge", "steps": plan} | fields))
 
 
 def _undo(sequence: int, step: str, index: int, attempt: int = 1) -> Event:
@@ -500,29 +703,34 @@ def _undo(sequence: int, step: str, index: int, attempt: int = 1) -> Event:
 
 
 def test_a_valid_hand_written_compensation_log_folds() -> None:
-    state = fold([*_two_done(), _began(), _saga(StepCompensationSkipped, 9, step="notify", reason="r"),
-                  _undo(10, "reserve", 0),
-                  _saga(StepCompensated, 11, step="reserve", attempt_id="t1:reserve:undo:1", output={}, calls=1),
-                  _saga(TaskCompensated, 12)])
+    state = fold([*_two_done(), _began(), _undo(9, "charge", 2),
+                  _saga(StepCompensated, 10, step="charge", attempt_id="t1:charge:undo:1", output={}, calls=1),
+                  _saga(StepCompensationSkipped, 11, step="notify", reason="r"),
+                  _undo(12, "reserve", 0),
+                  _saga(StepCompensated, 13, step="reserve", attempt_id="t1:reserve:undo:1", output={}, calls=1),
+                  _saga(TaskCompensated, 14)])
     assert state is not None and state.status == "compensated"
+    assert [s.status for s in state.steps] == ["compensated", "compensation_skipped", "compensated"]
 
 
 @pytest.mark.parametrize(
     "events",
     [
-        [*_two_done(), _began(steps=["reserve", "notify"])],
-        [*_two_done(), _began(steps=["notify"])],
+        [*_two_done(), _began(steps=["reserve", "notify", "charge"])],
+        [*_two_done(), _began(steps=["charge", "reserve"])],
+        [*_two_done(), _began(steps=["notify", "reserve"])],
         [*_two_done(), _began(), _undo(9, "reserve", 0)],
-        [*_two_done(), _began(), _undo(9, "notify", 1, attempt=2)],
+        [*_two_done(), _began(), _undo(9, "notify", 1)],
+        [*_two_done(), _began(), _undo(9, "charge", 2, attempt=2)],
         [*_two_done(), _began(), _saga(TaskCompensated, 9)],
-        [*_two_done(), _began(), _undo(9, "notify", 1), _undo(10, "notify", 1, attempt=2)],
-        [*_two_done(), _began(), _undo(9, "notify", 1),
-         _saga(StepCompensated, 10, step="notify", attempt_id="t1:notify:1", output={}, calls=1)],
-        [*_two_done(), _began(), _undo(9, "notify", 1),
-         _saga(StepCompensationFailed, 10, step="notify", attempt_id="t1:notify:undo:1", error="e", permanent=True,
+        [*_two_done(), _began(), _undo(9, "charge", 2), _undo(10, "charge", 2, attempt=2)],
+        [*_two_done(), _began(), _undo(9, "charge", 2),
+         _saga(StepCompensated, 10, step="charge", attempt_id="t1:charge:1", output={}, calls=1)],
+        [*_two_done(), _began(), _undo(9, "charge", 2),
+         _saga(StepCompensationFailed, 10, step="charge", attempt_id="t1:charge:undo:1", error="e", permanent=True,
                calls=1, failure_count=2)],
-        [*_two_done(), _began(), _saga(TaskCompensationFailed, 9, step="notify", reason="r")],
-        [*_two_done(), _began(trigger="operator")],
+        [*_two_done(), _began(), _saga(TaskCompensationFailed, 9, step="charge", reason="r")],
+        [*_two_done(), _began(trigger="operator", command_id="c")],
         [*_two_done(), _began(trigger="cancel")],
         [*_two_done(), _saga(TaskFailed, 8, step="charge", reason="r"), _began(9)],
         [*_two_done(), _saga(StepResubmitted, 8, step="charge", command_id="c")],
@@ -531,14 +739,15 @@ def test_a_valid_hand_written_compensation_log_folds() -> None:
         [*_two_done(), _saga(TaskFailed, 8, step="charge", reason="r"),
          _saga(OperatorCommandRefused, 9, command_id="c", action="cancel", reason="r"),
          _saga(StepResubmitted, 10, step="charge", command_id="c")],
-        [*_two_done(), _began(), _saga(CompensationRetried, 9, step="notify", command_id="c")],
+        [*_two_done(), _began(), _saga(CompensationRetried, 9, step="charge", command_id="c")],
         [*_two_done(), _began(), _saga(StepStarted, 9, step="charge", step_index=2, attempt=2,
                                        attempt_id="t1:charge:2", complete_by=NOW, calls_allowed=1)],
         [*_two_done(), _began(), _saga(TaskCompleted, 9, output={})],
     ],
     ids=[
-        "plan not in reverse order", "plan missing a completed step", "undoing out of order",
-        "first undo attempt numbered 2", "compensated with steps left to undo", "undo attempt while one runs",
+        "plan not in reverse order", "plan missing a completed step", "plan missing the failed step",
+        "undoing out of order", "undoing a completed step before the failed one", "first undo attempt numbered 2",
+        "compensated with steps left to undo", "undo attempt while one runs",
         "compensation outcome naming the forward attempt", "compensation failure count skipped",
         "compensation failed on a step whose compensation did not fail", "operator compensation of a running task",
         "cancel without a command id", "automatic compensation of a task in error", "resubmit of a running task",
@@ -554,5 +763,7 @@ def test_impossible_compensation_histories_are_invalid_transitions(events: list[
 
 def test_a_result_naming_the_compensation_attempt_of_another_step_is_ignored() -> None:
     state = compensating()
-    stray = StepResult(task_id="t1", step="reserve", attempt_id="t1:charge:undo:1", ok=True, output={})
-    assert types(run(stray, state)[0]) == [MessageIgnored]
+    stray = StepResult(task_id="t1", step="reserve", attempt_id="t1:ship:undo:1", ok=True, output={})
+    decision, after = run(stray, state)
+    assert types(decision) == [MessageIgnored]
+    assert after == replace(state, sequence=state.sequence + 1)

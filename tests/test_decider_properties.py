@@ -5,11 +5,17 @@ successes and transient or permanent failures for current, stale and made-up att
 compensating), recoveries at times around each deadline, operator commands (every action, on any step,
 with command ids that repeat), and a clock that moves on. After every command the decision and the
 states it leads to are checked, and at the end every history is replayed through the Avro codec.
+
+Compensation undoes every step that may have been applied: every step any attempt of which started,
+whether it succeeded or failed (timed out, abandoned, refused), last started first. A definite answer
+(success or permanent failure) for an attempt that was started but is no longer current is recorded
+(``LateResultRecorded``); any other answer that is not for the current attempt is ignored.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 from hypothesis import settings
@@ -33,6 +39,7 @@ from schemas.messages import (
     CompensationRetried,
     CompensationStarted,
     Event,
+    LateResultRecorded,
     MessageIgnored,
     OperatorAction,
     OperatorAlert,
@@ -45,7 +52,6 @@ from schemas.messages import (
     StepResubmitted,
     StepResult,
     StepStarted,
-    StepSucceeded,
     SubmitTask,
     TaskAccepted,
     TaskRejected,
@@ -206,19 +212,40 @@ class DeciderMachine(RuleBasedStateMachine):
         elif before is not None and (before.status in FINAL or (before.is_terminal
                                                                 and not isinstance(command, OperatorCommand))):
             # Terminal states are terminal: only an operator's command leaves error or compensation_failed.
-            assert all(isinstance(e, MessageIgnored | OperatorAlert | OperatorCommandRefused) for e in events)
+            assert all(isinstance(e, MessageIgnored | LateResultRecorded | OperatorAlert | OperatorCommandRefused)
+                       for e in events)
             assert after is not None and after.status == before.status
         if before is not None and after is not None:
             self.check_monotonic(before, after, events)
         if isinstance(command, StepResult | RecoverStep) and before is not None:
             current = before.steps[before.current_step] if before.current_step is not None else None
             if current is None or current.lock != command.attempt_id or before.is_terminal:
-                assert [type(e) for e in events] == [MessageIgnored]
+                self.check_not_current(command, before, events, after)
             if isinstance(command, RecoverStep) and current is not None and current.deadline is not None \
                     and now < current.deadline:
                 assert [type(e) for e in events] == [MessageIgnored]
         if isinstance(command, OperatorCommand) and before is not None:
             self.check_operator(command, before, events, after)
+
+    def check_not_current(self, command: StepResult | RecoverStep, before: TaskState, events: tuple[Event, ...],
+                          after: TaskState | None) -> None:
+        """An answer for an attempt that is not in progress changes nothing but the sequence. A definite one
+        (success or permanent failure) for an attempt this task started is recorded as a late result; a
+        transient failure, a recovery, or an answer naming an attempt never started is ignored."""
+        started = command.attempt_id in self.attempts[command.task_id]
+        definite = isinstance(command, StepResult) and (command.ok or command.permanent)
+        if started and definite:
+            assert isinstance(command, StepResult)
+            assert [type(e) for e in events] == [LateResultRecorded]
+            late = events[0]
+            assert isinstance(late, LateResultRecorded)
+            assert (late.step, late.attempt_id, late.ok, late.permanent) == (
+                command.step, command.attempt_id, command.ok, command.permanent)
+            assert late.compensation == (":undo:" in command.attempt_id)
+            assert late.consequence
+        else:
+            assert [type(e) for e in events] == [MessageIgnored]
+        assert after == replace(before, sequence=before.sequence + 1)
 
     @staticmethod
     def check_operator(command: OperatorCommand, before: TaskState, events: tuple[Event, ...],
@@ -283,21 +310,51 @@ class DeciderMachine(RuleBasedStateMachine):
             assert fold(history) == self.states[task]
 
     @invariant()
-    def compensations_run_in_reverse_completion_order_and_undo_each_step_at_most_once(self) -> None:
+    def compensations_undo_every_started_step_in_reverse_start_order_and_each_at_most_once(self) -> None:
         for history in self.histories.values():
-            completed = [e.step for e in history if isinstance(e, StepSucceeded)]
+            started = _started_steps(history)
             undone: list[str] = []
             for e in history:
                 if isinstance(e, StepCompensationStarted | StepCompensationSkipped) and e.step not in undone:
                     undone.append(e.step)
-            assert undone == completed[::-1][: len(undone)], "undone last completed first"
-            plans = [e.steps for e in history if isinstance(e, CompensationStarted)]
-            assert len(plans) <= 1 and all(plan == completed[::-1] for plan in plans)
+            assert undone == started[::-1][: len(undone)], "undone last started first, failed steps included"
+            plans = [(i, e.steps) for i, e in enumerate(history) if isinstance(e, CompensationStarted)]
+            assert len(plans) <= 1
+            for i, plan in plans:
+                earlier = history[:i]
+                already_undone = {e.step for e in earlier if isinstance(e, StepCompensated | StepCompensationSkipped)}
+                assert plan == [s for s in _started_steps(earlier)[::-1] if s not in already_undone], \
+                    "the plan is every started step not yet undone, last started first"
             compensated = Counter(e.step for e in history if isinstance(e, StepCompensated))
-            assert all(n == 1 for n in compensated.values()) and set(compensated) <= set(completed)
-            started = [e for e in history if isinstance(e, StepStarted)]
+            assert all(n == 1 for n in compensated.values()) and set(compensated) <= set(started)
+            forward = [e for e in history if isinstance(e, StepStarted)]
             first_undo = next((e.sequence for e in history if isinstance(e, CompensationStarted)), None)
-            assert first_undo is None or all(e.sequence < first_undo for e in started), "no step runs once undoing"
+            assert first_undo is None or all(e.sequence < first_undo for e in forward), "no step runs once undoing"
+
+    @invariant()
+    def a_compensated_task_has_undone_every_step_it_ever_started(self) -> None:
+        for task, state in self.states.items():
+            if state is None:
+                continue
+            assert [s.name for s in state.steps] == _started_steps(self.histories[task]), \
+                "a step appears in the state exactly when an attempt of it started"
+            if state.status != "compensated":
+                continue
+            workflow = REGISTRY.get(state.workflow, state.workflow_version)
+            for step in state.steps:
+                has_undo = workflow.step(step.name).compensation is not None
+                assert step.status == ("compensated" if has_undo else "compensation_skipped"), \
+                    f"step {step.name!r} of compensated task {task!r} is {step.status}"
+
+    @invariant()
+    def late_results_name_attempts_started_earlier_in_the_history(self) -> None:
+        for history in self.histories.values():
+            seen: set[str] = set()
+            for e in history:
+                if isinstance(e, StepStarted | StepCompensationStarted):
+                    seen.add(e.attempt_id)
+                elif isinstance(e, LateResultRecorded):
+                    assert e.attempt_id in seen
 
     @invariant()
     def budgets_and_thresholds_hold(self) -> None:
@@ -324,8 +381,6 @@ class DeciderMachine(RuleBasedStateMachine):
             if state.status == "completed":
                 assert [s.name for s in state.steps] == [s.name for s in workflow.steps]
                 assert all(s.status == "succeeded" for s in state.steps)
-            if state.status == "compensated":
-                assert all(s.status in ("compensated", "compensation_skipped", "failed") for s in state.steps)
 
     @invariant()
     def attempt_ids_are_never_reused(self) -> None:
@@ -339,6 +394,15 @@ class DeciderMachine(RuleBasedStateMachine):
             decoded = [codec.decode(codec.encode(event)) for event in history]
             assert decoded == history
             assert fold(e for e in decoded if isinstance(e, Event)) == self.states[task]
+
+
+def _started_steps(history: list[Event]) -> list[str]:
+    """The steps any attempt of which started, in the order their first attempts started."""
+    steps: list[str] = []
+    for e in history:
+        if isinstance(e, StepStarted) and e.step not in steps:
+            steps.append(e.step)
+    return steps
 
 
 DeciderMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=60, deadline=None)

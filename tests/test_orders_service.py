@@ -354,6 +354,83 @@ def test_state_file_keeps_dedup_and_fencing_across_clean_stop_and_crash(tmp_path
         assert_dedup_and_fencing_survived()
 
 
+# ---- undo fencing (tombstones) --------------------------------------------------------------------
+
+
+def test_a_forward_call_arriving_after_the_undo_of_its_key_is_refused_and_applies_nothing(
+    admin: OrdersAdmin,
+) -> None:
+    """The undo never saw the forward call (it had not landed): the late forward call must not land after it."""
+    k = key()
+    undo = admin.call("inventory/release", ORDER, idempotency_key=f"{k}:undo", attempt=1, undoes_key=k)
+    assert undo.status_code == 200 and undo.json()["status"] == "nothing_to_release"
+
+    late = admin.call("inventory/reserve", ORDER, idempotency_key=k, attempt=3)
+
+    assert late.status_code == 410
+    assert late.json()["error"] == "already_undone"
+    assert admin.applied_for("inventory/reserve", k) == 0
+    assert admin.records()["reservations"] == {}
+    assert admin.records()["tombstones"]["inventory/reserve"][k]["undo_key"] == f"{k}:undo"
+
+
+def test_a_forward_effect_that_landed_before_the_undo_is_released_and_its_replay_is_refused(
+    admin: OrdersAdmin,
+) -> None:
+    """A stored result is not replayed after the undo: the caller would otherwise believe it still holds."""
+    k = key()
+    assert admin.call("payments/charge", ORDER, idempotency_key=k, attempt=1).status_code == 200
+    undo = admin.call("payments/refund", ORDER, idempotency_key=f"{k}:undo", attempt=1, undoes_key=k)
+    assert undo.status_code == 200 and undo.json()["status"] == "refunded"
+
+    replay = admin.call("payments/charge", ORDER, idempotency_key=k, attempt=1)
+
+    assert replay.status_code == 410
+    assert admin.applied_for("payments/charge", k) == 1
+    assert [c["status"] for c in admin.records()["charges"].values()] == ["refunded"]
+
+
+def test_a_forward_call_delayed_in_the_service_while_its_undo_lands_applies_nothing(
+    admin: OrdersAdmin, service: ServiceProcess,
+) -> None:
+    """The race the issue saw: the call was received before the undo but would apply after it."""
+    k = key()
+    admin.set_faults("shipping/create", latency_ms=600)
+    results: list[httpx.Response] = []
+
+    def send() -> None:
+        with service.admin() as client:
+            results.append(client.call("shipping/create", ORDER, idempotency_key=k, attempt=1))
+
+    slow = threading.Thread(target=send)
+    slow.start()
+    _wait_until(lambda: admin.requests_for("shipping/create", k) == 1)
+    undo = admin.call("shipping/cancel", ORDER, idempotency_key=f"{k}:undo", attempt=1, undoes_key=k)
+    slow.join(timeout=10)
+
+    assert undo.status_code == 200
+    assert results[0].status_code == 410
+    assert admin.applied_for("shipping/create", k) == 0
+    assert admin.records()["shipments"] == {}
+
+
+def test_an_undoes_header_on_a_forward_operation_is_a_400_naming_it(admin: OrdersAdmin) -> None:
+    answer = admin.call("inventory/reserve", ORDER, idempotency_key=key(), attempt=1, undoes_key="other")
+    assert answer.status_code == 400
+    assert answer.json()["header"] == "X-Undoes-Key"
+
+
+def test_a_tombstone_survives_a_crash_of_the_service(tmp_path: Path) -> None:
+    state_file = tmp_path / "orders-state.json"
+    k = key()
+    with ServiceProcess(state_file=state_file) as proc, proc.admin() as client:
+        assert client.call("inventory/release", ORDER, idempotency_key=f"{k}:undo", attempt=1,
+                           undoes_key=k).status_code == 200
+        proc.restart(hard=True)
+        assert client.call("inventory/reserve", ORDER, idempotency_key=k, attempt=1).status_code == 410
+        assert client.applied_for("inventory/reserve", k) == 0
+
+
 # ---- helpers --------------------------------------------------------------------------------------
 
 

@@ -83,4 +83,10 @@ ORDERS_PATIENT = Workflow(
     escalation="error",
 )
 
-COMPENSATION_REGISTRY = WorkflowRegistry.of([ORDERS_V1, ORDERS_V2, ORDERS_COMP, ORDERS_HOLD, ORDERS_PATIENT])
+# One failed attempt gives up at once (tests/test_undo_end_to_end.py): a step whose only attempt ended with an
+# unknown outcome is compensated straight away.
+ORDERS_ONCE = Workflow(name="orders-once", version=1, steps=_compensated_order_steps(), failure_threshold=1,
+                       escalation="compensate")
+
+COMPENSATION_REGISTRY = WorkflowRegistry.of([ORDERS_V1, ORDERS_V2, ORDERS_COMP, ORDERS_HOLD, ORDERS_PATIENT,
+                                             ORDERS_ONCE])

@@ -51,6 +51,7 @@ class CallCounts(TypedDict):
     applied: dict[str, dict[str, int]]
     outcomes: dict[str, dict[str, dict[str, int]]]
     in_flight: int
+    peak_in_flight: int
 
 
 class Records(TypedDict):
@@ -388,6 +389,11 @@ class OrdersAdmin:
 
     def calls(self) -> CallCounts:
         result: CallCounts = self._json(self._http.get("/admin/calls"))
+        return result
+
+    def arrivals(self) -> dict[str, dict[str, list[int]]]:
+        """Per operation and idempotency key, the ``X-Attempt`` of each request in arrival order."""
+        result: dict[str, dict[str, list[int]]] = self._json(self._http.get("/admin/arrivals"))
         return result
 
     def records(self, order_id: str | None = None) -> Records:

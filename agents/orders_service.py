@@ -199,6 +199,8 @@ class OrdersState:
 
     def __init__(self) -> None:
         self.requests: dict[str, dict[str, int]] = {}
+        # Per operation and key, the X-Attempt of each request in the order they arrived.
+        self.arrivals: dict[str, dict[str, list[int]]] = {}
         self.applied: dict[str, dict[str, int]] = {}
         self.outcomes: dict[str, dict[str, dict[str, int]]] = {}
         self.highest_attempt: dict[str, dict[str, int]] = {}
@@ -212,6 +214,7 @@ class OrdersState:
         return {
             "version": STATE_FILE_VERSION,
             "requests": self.requests,
+            "arrivals": self.arrivals,
             "applied": self.applied,
             "outcomes": self.outcomes,
             "highest_attempt": self.highest_attempt,
@@ -228,6 +231,7 @@ class OrdersState:
             raise ValueError(f"unsupported state file version {data.get('version')!r}")
         state = cls()
         state.requests = data["requests"]
+        state.arrivals = data.get("arrivals", {})  # absent from files written before it was recorded
         state.applied = data["applied"]
         state.outcomes = data["outcomes"]
         state.highest_attempt = data["highest_attempt"]
@@ -428,6 +432,7 @@ class OrdersService:
         self.global_fault: FaultSlot | None = None
         self.op_faults: dict[Operation, FaultSlot] = {}
         self.in_flight = 0
+        self.peak_in_flight = 0  # the most requests handled at once since start or reset
         self.shutting_down = False
         self.started_at = _now()
         self.state = self._load()
@@ -519,6 +524,7 @@ class OrdersService:
         except ProblemError as problem:
             return _json_response(problem.status, problem.body)
         self.in_flight += 1
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
         try:
             status, body, headers = await self._handle_keyed(op, key, attempt, request)
         except ProblemError as problem:
@@ -534,6 +540,7 @@ class OrdersService:
     ) -> tuple[int, Any, Mapping[str, str]]:
         async with self.lock:
             _bump(self.state.requests, op, key)
+            self.state.arrivals.setdefault(op, {}).setdefault(key, []).append(attempt)
         raw = await request.body()
         try:
             body = orjson.loads(raw)
@@ -619,6 +626,7 @@ class OrdersService:
             "applied": self.state.applied,
             "outcomes": self.state.outcomes,
             "in_flight": self.in_flight,
+            "peak_in_flight": self.peak_in_flight,
         }
 
     def records_view(self, order_id: str | None) -> JSON:
@@ -638,6 +646,7 @@ class OrdersService:
         self.rng = random.Random(self.seed)
         self.state = OrdersState()
         self.clear_faults(None)
+        self.peak_in_flight = self.in_flight
         self.persist()
 
 
@@ -673,6 +682,12 @@ def create_app(*, seed: int = 0, state_file: Path | None = None) -> FastAPI:
     async def admin_calls() -> Response:
         async with service.lock:
             return _json_response(200, service.calls_view())
+
+    @app.get("/admin/arrivals")
+    async def admin_arrivals() -> Response:
+        """Per operation and idempotency key, the attempt numbers in the order their requests arrived."""
+        async with service.lock:
+            return _json_response(200, service.state.arrivals)
 
     @app.get("/admin/records")
     async def admin_records(order_id: str | None = None) -> Response:

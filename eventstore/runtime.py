@@ -203,25 +203,41 @@ class ConsumerRuntime:
                 self._abort()
 
     def _process_one(self, raw: KafkaMessage) -> None:
-        topic = raw.topic()
         started = time.perf_counter()
+        record = self._decode(raw)
+        if record is None:
+            return
+        self._handle(raw, record, self._wait_paused)
+        processed, seconds = self._topic_metrics(record.topic)
+        processed.inc()
+        seconds.observe(time.perf_counter() - started)
+
+    def _decode(self, raw: KafkaMessage) -> Record | None:
+        """The decoded record, or None when it could not be decoded (then it is already dead-lettered)."""
         try:
-            record = Record(topic, raw.partition(), raw.offset(), _text(raw.key()), self.codec.decode(raw.value()),
-                            list(raw.headers() or []))
+            return Record(raw.topic(), raw.partition(), raw.offset(), _text(raw.key()), self.codec.decode(raw.value()),
+                          list(raw.headers() or []))
         except DecodeError as exc:
             self._dead_letter(raw, exc.reason, type(exc).__name__, exc.kind)
-            return
+            return None
+
+    def _handle(self, raw: KafkaMessage, record: Record, wait: Callable[[float, tuple[str, int]], None]) -> None:
+        """Run the handler to an outcome: done, dead-lettered (poison), or retried after ``wait`` (infrastructure).
+
+        ``wait`` sleeps out a back-off; it raises ``_Revoked`` to abandon the record (partition lost, drain).
+        """
+        topic = record.topic
         attempt = 0
         while True:
             try:
                 self.handler(record, self.output)
-                break
+                return
             except Exception as exc:
                 if not is_retryable(exc):
                     reason = exc.reason if isinstance(exc, PoisonMessageError) else f"handler failed: {exc!r}"
                     kind = "contradictory" if isinstance(exc, PoisonMessageError) else "handler_error"
                     self._dead_letter(raw, reason, type(exc).__name__, kind)
-                    break
+                    return
                 if self._stop.is_set():
                     raise _Revoked() from exc  # draining: leave it uncommitted for the next owner
                 attempt += 1
@@ -230,10 +246,7 @@ class ConsumerRuntime:
                 HANDLER_RETRIES.labels(self.group_id, topic).inc()
                 log.warning("infrastructure fault; retrying", topic=topic, partition=raw.partition(),
                             offset=raw.offset(), attempt=attempt, delay_s=round(delay, 3), error=repr(exc))
-                self._wait_paused(delay, (topic, raw.partition()))
-        processed, seconds = self._topic_metrics(topic)
-        processed.inc()
-        seconds.observe(time.perf_counter() - started)
+                wait(delay, (topic, raw.partition()))
 
     def _topic_metrics(self, topic: str) -> tuple[Counter, Histogram]:
         """Label lookups cost more than the increments: resolve them once per topic."""
@@ -351,9 +364,7 @@ class ConsumerRuntime:
     def _revoked_cb(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
         """Commit what is done before the partitions move (callbacks run between batches)."""
         log.info("partitions revoked", group=self.group_id, partitions=_names(partitions))
-        if not self.exactly_once:
-            self._finish_batch()
-            self._commit_sync()
+        self._commit_before_revoke(partitions)
         for tp in partitions:
             self._assigned.discard((tp.topic, tp.partition))
             self._processed.pop((tp.topic, tp.partition), None)
@@ -361,6 +372,12 @@ class ConsumerRuntime:
                 CONSUMER_LAG.remove(self.group_id, tp.topic, str(tp.partition))
         if self._on_revoke is not None:
             self._on_revoke(partitions)
+
+    def _commit_before_revoke(self, _partitions: list[TopicPartition]) -> None:
+        """The work done on what is being revoked is committed (a transaction commits at its batch's end)."""
+        if not self.exactly_once:
+            self._finish_batch()
+            self._commit_sync()
 
     # -- lag ----------------------------------------------------------------------------------
 

@@ -44,7 +44,9 @@ def run_agent(name: str) -> int:
 
     kafka, consumer, stop = _prepare(f"agent {name}")
     settings = AgentSettings()
-    build_agent(kafka, consumer, shipped_agent(name, settings.service_url, settings.policy_provider(), stop)).run()
+    agent = shipped_agent(name, settings.service_url, settings.policy_provider(), stop,
+                          connections=settings.concurrency)
+    build_agent(kafka, consumer, agent, settings.concurrency).run()
     return 0
 
 

@@ -31,6 +31,7 @@ from agents.orders_service import ATTEMPT_HEADER, IDEMPOTENCY_HEADER, OPERATIONS
 
 __all__ = [
     "OPERATIONS",
+    "Arrival",
     "CallCounts",
     "FaultsView",
     "Operation",
@@ -52,6 +53,13 @@ class CallCounts(TypedDict):
     outcomes: dict[str, dict[str, dict[str, int]]]
     in_flight: int
     peak_in_flight: int
+
+
+class Arrival(TypedDict):
+    """One request as ``GET /admin/arrivals`` lists it: its ``X-Attempt`` and when it arrived (epoch s)."""
+
+    attempt: int
+    at: float
 
 
 class Records(TypedDict):
@@ -391,10 +399,14 @@ class OrdersAdmin:
         result: CallCounts = self._json(self._http.get("/admin/calls"))
         return result
 
-    def arrivals(self) -> dict[str, dict[str, list[int]]]:
-        """Per operation and idempotency key, the ``X-Attempt`` of each request in arrival order."""
-        result: dict[str, dict[str, list[int]]] = self._json(self._http.get("/admin/arrivals"))
+    def arrivals(self) -> dict[str, dict[str, list[Arrival]]]:
+        """Per operation and idempotency key, each request's ``X-Attempt`` and arrival time, in arrival order."""
+        result: dict[str, dict[str, list[Arrival]]] = self._json(self._http.get("/admin/arrivals"))
         return result
+
+    def arrival_order(self, operation: Operation) -> dict[str, list[int]]:
+        """Per idempotency key of ``operation``, the attempt numbers in the order their requests arrived."""
+        return {key: [a["attempt"] for a in log] for key, log in self.arrivals().get(operation, {}).items()}
 
     def records(self, order_id: str | None = None) -> Records:
         params = {"order_id": order_id} if order_id is not None else None

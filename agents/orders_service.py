@@ -199,8 +199,8 @@ class OrdersState:
 
     def __init__(self) -> None:
         self.requests: dict[str, dict[str, int]] = {}
-        # Per operation and key, the X-Attempt of each request in the order they arrived.
-        self.arrivals: dict[str, dict[str, list[int]]] = {}
+        # Per operation and key, each request's X-Attempt and arrival time, in the order they arrived.
+        self.arrivals: dict[str, dict[str, list[JSON]]] = {}
         self.applied: dict[str, dict[str, int]] = {}
         self.outcomes: dict[str, dict[str, dict[str, int]]] = {}
         self.highest_attempt: dict[str, dict[str, int]] = {}
@@ -540,7 +540,7 @@ class OrdersService:
     ) -> tuple[int, Any, Mapping[str, str]]:
         async with self.lock:
             _bump(self.state.requests, op, key)
-            self.state.arrivals.setdefault(op, {}).setdefault(key, []).append(attempt)
+            self.state.arrivals.setdefault(op, {}).setdefault(key, []).append({"attempt": attempt, "at": _now()})
         raw = await request.body()
         try:
             body = orjson.loads(raw)
@@ -685,7 +685,7 @@ def create_app(*, seed: int = 0, state_file: Path | None = None) -> FastAPI:
 
     @app.get("/admin/arrivals")
     async def admin_arrivals() -> Response:
-        """Per operation and idempotency key, the attempt numbers in the order their requests arrived."""
+        """Per operation and idempotency key, each request's attempt and arrival time, in arrival order."""
         async with service.lock:
             return _json_response(200, service.state.arrivals)
 

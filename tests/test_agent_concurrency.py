@@ -80,7 +80,7 @@ def test_calls_of_one_task_arrive_one_after_another_in_offset_order_while_tasks_
     answers = _all_answered(system, requests)
 
     assert all(result.ok for results in answers.values() for result in results), "no call was fenced off"
-    arrivals = system.admin.arrivals()[OP]
+    arrivals = system.admin.arrival_order(OP)
     assert {task: arrivals[f"{task}:reserve"] for task in tasks} == {task: [1, 2, 3] for task in tasks}
     assert system.admin.calls()["peak_in_flight"] >= 4, "calls of different tasks were in flight together"
     assert set(_applied(system).values()) == {1}
@@ -147,6 +147,6 @@ def test_a_poison_request_among_concurrent_ones_goes_to_the_dlq_and_every_other_
     reasons = Counter(dict(m.headers() or [])["stepstream.dlq.error.kind"].decode() for m in dead)
     assert len(dead) == 2 and {dict(m.headers() or [])["stepstream.dlq.origin.topic"] for m in dead} == {
         topic.encode()}, reasons
-    assert system.admin.arrivals()[OP]["ok-3:reserve"] == [1, 2]
+    assert system.admin.arrival_order(OP)["ok-3:reserve"] == [1, 2]
     assert system.procs.terminate(AGENT) == 0
 

@@ -7,8 +7,9 @@ different keys, of one partition or several, overlap. That is the ordering the p
 requests in order -- and no more.
 
 - **Commit**: a partition is committed up to its first unfinished message (:class:`Watermark`), after the
-  output of everything before it was delivered. A crash redoes the unfinished messages and those after
-  them, never skips one.
+  output of everything before it was delivered; the finished offsets above it ride in the commit's
+  metadata and the next owner skips them. A crash redoes what was unfinished (and what finished after the
+  last commit), never skips one.
 - **Back-pressure**: at most ``2 * concurrency`` messages are held (running or waiting behind their key);
   at that bound fetching is paused (the group membership stays alive) until one finishes.
 - **Poison** goes to the DLQ from the worker that found it; other keys never wait for it.
@@ -32,12 +33,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
-from confluent_kafka import KafkaException, TopicPartition
+from confluent_kafka import Consumer, KafkaException, TopicPartition
 from confluent_kafka import Message as KafkaMessage
 
 from eventstore.kafka_config import consume_available
 from eventstore.runtime import ConsumerRuntime, Record, _Revoked
-from eventstore.watermark import Watermark
+from eventstore.watermark import Watermark, decode_finished, encode_finished
 
 log = structlog.get_logger("stepstream.runtime")
 
@@ -77,7 +78,9 @@ class KeyedConsumerRuntime(ConsumerRuntime):
         # Per key, the messages held: the head is submitted, the rest wait their turn.
         self._keys: dict[tuple[str, int, str | None], deque[_Work]] = {}
         self._held = 0
-        self._stored: dict[Partition, int] = {}
+        self._stored: dict[Partition, tuple[int, str]] = {}
+        # Per partition, offsets above the committed one that an earlier owner finished (commit metadata).
+        self._skip: dict[Partition, set[int]] = {}
         self._freed = threading.Event()
         self._paused = False
         self._last_store = 0.0
@@ -131,6 +134,12 @@ class KeyedConsumerRuntime(ConsumerRuntime):
             return
         with self._lock:
             self._marks.setdefault(where, Watermark()).take(raw.offset())
+        skip = self._skip.get(where)
+        if skip and raw.offset() in skip:
+            skip.discard(raw.offset())  # finished before the last commit, by this process or an earlier owner
+            with self._lock:
+                self._marks[where].finish(raw.offset())
+            return
         record = self._decode(raw)
         if record is None:
             with self._lock:
@@ -208,20 +217,22 @@ class KeyedConsumerRuntime(ConsumerRuntime):
     def _store(self, only: set[Partition] | None = None) -> None:
         """Store each partition's watermark, after delivering the output of the work below it."""
         with self._lock:
-            marks = {where: mark.committable() for where, mark in self._marks.items()
+            marks = {where: (mark.committable(), mark.finished_above()) for where, mark in self._marks.items()
                      if only is None or where in only}
-        offsets = {where: offset for where, offset in marks.items()
-                   if offset is not None and self._stored.get(where) != offset}
+        offsets = {where: (offset, encode_finished(offset, finished)) for where, (offset, finished) in marks.items()
+                   if offset is not None}
+        offsets = {where: stored for where, stored in offsets.items() if self._stored.get(where) != stored}
         if not offsets:
             return
         self._flush_output()
         try:
-            self._consumer.store_offsets(offsets=[TopicPartition(t, p, o) for (t, p), o in offsets.items()])
+            self._consumer.store_offsets(offsets=[TopicPartition(t, p, o, metadata=m)
+                                                  for (t, p), (o, m) in offsets.items()])
         except KafkaException as exc:
             log.warning("offsets not stored", error=str(exc))  # a partition lost meanwhile: its owner redoes it
             return
         self._stored.update(offsets)
-        self._processed.update(offsets)
+        self._processed.update({where: offset for where, (offset, _m) in offsets.items()})
 
     def _settle(self, partitions: set[Partition] | None) -> None:
         """Drop what waits in ``partitions`` (None: all), let the calls in flight finish, store the watermarks."""
@@ -250,6 +261,18 @@ class KeyedConsumerRuntime(ConsumerRuntime):
         self._settle(None)
         self._commit_sync()
 
+    def _assigned_cb(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        super()._assigned_cb(consumer, partitions)
+        try:
+            committed = consumer.committed(partitions, timeout=30)
+        except KafkaException as exc:
+            log.warning("committed offsets unreadable; finished messages may be redone", error=str(exc))
+            return
+        for tp in committed:
+            skip = decode_finished(tp.offset, tp.metadata)
+            if skip:
+                self._skip[(tp.topic, tp.partition)] = skip
+
     def _commit_before_revoke(self, partitions: list[TopicPartition]) -> None:
         gone = {(tp.topic, tp.partition) for tp in partitions}
         self._assigned.difference_update(gone)  # their workers stop retrying; their keys start nothing new
@@ -259,5 +282,6 @@ class KeyedConsumerRuntime(ConsumerRuntime):
             for where in gone:
                 self._marks.pop(where, None)
                 self._stored.pop(where, None)
+                self._skip.pop(where, None)
             for key in [key for key in self._keys if key[:2] in gone]:
                 self._held -= len(self._keys.pop(key))

@@ -3,13 +3,20 @@
 With many messages of one partition in flight at once (different keys run concurrently), a later
 message often finishes before an earlier one. Committing the later one's offset would tell Kafka the
 earlier one is done too, and a crash would lose it. So a partition commits only up to its first
-unfinished message: the watermark. A crash then redoes the unfinished message and those after it that
-did finish, which at-least-once (and idempotent handlers) already accept.
+unfinished message: the watermark. The offsets above it that did finish travel with the commit, in its
+metadata (as the Parallel Consumer encodes them), so the partition's next owner skips them: a crash or a
+drain redoes only what was not finished (plus what finished after the last commit).
 """
 
 from __future__ import annotations
 
 from collections import deque
+
+#: Marks the format of the commit metadata, so that metadata written by something else is never misread.
+_DONE_PREFIX = "stepstream.done1:"
+#: Brokers refuse commit metadata above ``offset.metadata.max.bytes`` (4096 by default): past this size the
+#: finished offsets are left out, and the next owner merely redoes them.
+MAX_METADATA_CHARS = 3000
 
 
 class Watermark:
@@ -45,3 +52,35 @@ class Watermark:
     def committable(self) -> int | None:
         """The offset to commit: the first unfinished one, else one past the last taken (None: nothing taken)."""
         return self._taken[0] if self._taken else self._next
+
+    def finished_above(self) -> list[int]:
+        """The finished offsets above the watermark, ascending: what a next owner need not redo."""
+        return sorted(self._finished)
+
+
+def encode_finished(committed: int, finished: list[int]) -> str:
+    """Commit metadata naming the finished offsets above ``committed`` (base 36 distances from it)."""
+    if not finished:
+        return ""
+    text = _DONE_PREFIX + ",".join(_base36(offset - committed) for offset in finished)
+    return text if len(text) <= MAX_METADATA_CHARS else ""
+
+
+def decode_finished(committed: int, metadata: str | None) -> set[int]:
+    """The finished offsets a commit's metadata names; empty for any metadata not written by ``encode_finished``."""
+    if not metadata or not metadata.startswith(_DONE_PREFIX) or committed < 0:
+        return set()
+    try:
+        return {committed + int(part, 36) for part in metadata.removeprefix(_DONE_PREFIX).split(",")}
+    except ValueError:
+        return set()
+
+
+def _base36(number: int) -> str:
+    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
+    text = ""
+    while True:
+        number, digit = divmod(number, 36)
+        text = digits[digit] + text
+        if number == 0:
+            return text

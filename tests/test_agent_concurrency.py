@@ -125,6 +125,8 @@ def test_sigterm_finishes_every_call_in_flight_answers_it_and_exits_zero(system:
     answers = _all_answered(system, requests)
     assert all(results[-1].ok for results in answers.values())
     assert set(_applied(system).values()) == {1} and len(_applied(system)) == len(requests)
+    requests_per_key = system.admin.calls()["requests"][OP]
+    assert set(requests_per_key.values()) == {1}, "after a drain nothing finished is redone, even above the watermark"
 
 
 def test_a_poison_request_among_concurrent_ones_goes_to_the_dlq_and_every_other_request_completes(

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from eventstore.watermark import Watermark
+from eventstore.watermark import Watermark, decode_finished, encode_finished
 
 
 def test_nothing_taken_means_nothing_to_commit() -> None:
@@ -57,3 +57,23 @@ def test_in_any_finishing_order_the_watermark_is_the_first_unfinished_offset() -
             unfinished = [o for o in offsets if o not in finished]
             assert mark.committable() == (unfinished[0] if unfinished else offsets[-1] + 1)
             assert mark.pending == len(unfinished)
+
+
+def test_the_finished_offsets_above_the_watermark_survive_the_commit_metadata() -> None:
+    mark = Watermark()
+    for offset in range(100, 140):
+        mark.take(offset)
+    for offset in (101, 105, 139, 120):
+        mark.finish(offset)
+    committed = mark.committable()
+    assert committed == 100 and mark.finished_above() == [101, 105, 120, 139]
+    metadata = encode_finished(committed, mark.finished_above())
+    assert decode_finished(committed, metadata) == {101, 105, 120, 139}
+
+
+def test_metadata_not_written_by_the_runtime_or_too_long_to_commit_names_nothing() -> None:
+    assert decode_finished(5, None) == set()
+    assert decode_finished(5, "someone else's note") == set()
+    assert decode_finished(5, "stepstream.done1:zz,!") == set()
+    assert encode_finished(0, []) == ""
+    assert encode_finished(0, list(range(1, 100_000, 7))) == "", "over the broker's metadata limit: left out"

@@ -152,3 +152,25 @@ def test_a_poison_request_among_concurrent_ones_goes_to_the_dlq_and_every_other_
     assert system.admin.arrival_order(OP)["ok-3:reserve"] == [1, 2]
     assert system.procs.terminate(AGENT) == 0
 
+
+
+def test_a_second_agent_joining_mid_burst_takes_partitions_over_without_losing_or_repeating_a_call(
+    system: System,
+) -> None:
+    _prepare(system, concurrency=8, latency_ms=300)
+    requests = [_request(f"rebalance-{i}") for i in range(90)]
+    _send(system, requests)
+    system.restart(AGENT)
+    assert wait_for(lambda: system.admin.calls()["in_flight"] >= 4, timeout_s=60), system.logs_tail()
+    system.procs.service("inventory-b", "agent", AGENT)  # the same group: the partitions are shared out anew
+    system.procs.wait_started("inventory-b")
+
+    answers = _all_answered(system, requests)
+
+    assert all(results[-1].ok for results in answers.values())
+    assert len(_applied(system)) == len(requests) and set(_applied(system).values()) == {1}
+    assert set(system.admin.calls()["requests"][OP].values()) == {1}, (
+        "the revoked partitions' calls in flight finished and were committed before the new owner started")
+    assert "partitions revoked" in system.procs.log(AGENT)
+    assert f"{system.layout.agent(AGENT)}[" in system.procs.log("inventory-b"), "the new agent got partitions"
+    assert system.procs.terminate("inventory-b") == 0 and system.procs.terminate(AGENT) == 0

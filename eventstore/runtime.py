@@ -134,6 +134,7 @@ class ConsumerRuntime:
         # Next offset to process per partition, across batches: what the lag is measured from.
         self._processed: dict[tuple[str, int], int] = {}
         self._in_transaction = False
+        self._retrying = False
         self._last_lag_update = 0.0
         self._metrics: dict[str, tuple[Counter, Histogram]] = {}
         overrides = dict(consumer_overrides or {})
@@ -161,13 +162,31 @@ class ConsumerRuntime:
         shutdown.install()
 
     def run(self) -> None:
+        """Consume, handle, commit, until stopped.
+
+        A batch keeps growing while messages keep arriving, for up to ``batch_interval_ms`` or
+        ``batch_size`` messages, and is committed as soon as nothing more is waiting: a quiet consumer
+        commits each message at once, a busy one commits (under exactly-once: one transaction, with its
+        markers on every partition it wrote) a few times per ``batch_interval_ms`` instead of once per
+        poll -- Kafka Streams' ``commit.interval.ms`` idea, without its latency when idle.
+        """
         self._consumer.subscribe(self.topics, on_assign=self._assigned_cb, on_revoke=self._revoked_cb,
                                  on_lost=self._revoked_cb)
+        interval_s = self.settings.batch_interval_ms / 1000
         try:
+            opened, handled = 0.0, 0
             while not self._stop.is_set():
-                batch = consume_available(self._consumer, self.settings.batch_size, self.settings.poll_timeout_s)
+                growing = bool(self._done)
+                room = self.settings.batch_size - handled if growing else self.settings.batch_size
+                batch = consume_available(self._consumer, room, 0 if growing else self.settings.poll_timeout_s)
                 if batch:
+                    if not self._done:
+                        opened, handled = time.monotonic(), 0
+                    handled += len(batch)
                     self._process_batch(batch)
+                if self._done and (not batch or handled >= self.settings.batch_size
+                                   or time.monotonic() - opened >= interval_s):
+                    self._finish_batch()
                 self._maybe_update_lag()
             self._finish_batch()
             if not self.exactly_once:
@@ -180,6 +199,7 @@ class ConsumerRuntime:
     # -- batches ------------------------------------------------------------------------------
 
     def _process_batch(self, batch: list[KafkaMessage]) -> None:
+        """Handle ``batch`` into the open batch (and transaction); ``run`` decides when it is committed."""
         try:
             for raw in batch:
                 if self._stop.is_set():
@@ -196,7 +216,6 @@ class ConsumerRuntime:
                 self._process_one(raw)
                 self._done[where] = self._processed[where] = raw.offset() + 1
                 self._maybe_update_lag()
-            self._finish_batch()
         except _Revoked:
             self._done.clear()
             if self._in_transaction:
@@ -267,6 +286,7 @@ class ConsumerRuntime:
 
     def _wait_paused(self, delay_s: float, where: tuple[str, int]) -> None:
         """Sleep while staying in the group: pause fetching and keep polling, so rebalances are served."""
+        self._retrying = True
         assignment = self._consumer.assignment()
         self._consumer.pause(assignment)
         # Anything consume() still hands out while paused was fetched before the pause: rewind to it
@@ -282,6 +302,7 @@ class ConsumerRuntime:
                 if where not in self._assigned:
                     raise _Revoked()
         finally:
+            self._retrying = False
             self._consumer.resume(self._consumer.assignment())
             for (topic, partition), offset in rewind.items():
                 if (topic, partition) in self._assigned:
@@ -374,9 +395,15 @@ class ConsumerRuntime:
             self._on_revoke(partitions)
 
     def _commit_before_revoke(self, _partitions: list[TopicPartition]) -> None:
-        """The work done on what is being revoked is committed (a transaction commits at its batch's end)."""
+        """The work done so far is committed while the partitions are still ours.
+
+        Except in the middle of a record's retry (``_wait_paused``): the open transaction may hold part of
+        that record's output, so it is aborted instead (the retry raises ``_Revoked``).
+        """
+        if self._retrying:
+            return
+        self._finish_batch()
         if not self.exactly_once:
-            self._finish_batch()
             self._commit_sync()
 
     # -- lag ----------------------------------------------------------------------------------

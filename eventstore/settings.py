@@ -103,6 +103,8 @@ class ConsumerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="STEPSTREAM_CONSUMER_", frozen=True, extra="ignore")
 
     batch_size: int = Field(default=500, ge=1)
+    batch_interval_ms: int = Field(default=100, ge=0,
+                                   description="how long a batch may keep growing while messages keep arriving")
     poll_timeout_s: float = Field(default=0.5, gt=0)
     drain_timeout_s: float = Field(default=30.0, gt=0)
     commit_interval_ms: int = Field(default=1000, ge=10)

@@ -383,7 +383,8 @@ class ConsumerRuntime:
                 consumer.assign(positioned)
 
     def _revoked_cb(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        """Commit what is done before the partitions move (callbacks run between batches)."""
+        """Commit what is done before the partitions move (callbacks run inside ``consume``: between batches,
+        while a batch grows, or during a retry's back-off)."""
         log.info("partitions revoked", group=self.group_id, partitions=_names(partitions))
         self._commit_before_revoke(partitions)
         for tp in partitions:
@@ -397,10 +398,10 @@ class ConsumerRuntime:
     def _commit_before_revoke(self, _partitions: list[TopicPartition]) -> None:
         """The work done so far is committed while the partitions are still ours.
 
-        Except in the middle of a record's retry (``_wait_paused``): the open transaction may hold part of
-        that record's output, so it is aborted instead (the retry raises ``_Revoked``).
+        Except in a transaction in the middle of a record's retry (``_wait_paused``): it may hold part of that
+        record's output, so it is aborted instead (the retry raises ``_Revoked``).
         """
-        if self._retrying:
+        if self.exactly_once and self._retrying:
             return
         self._finish_batch()
         if not self.exactly_once:

@@ -61,7 +61,7 @@ def run_demo(tasks: int = 20, timeout_s: float = 180.0) -> int:
                               env={**os.environ, "PYTHONUNBUFFERED": "1",
                                    "STEPSTREAM_API_TOKENS": orjson.dumps({"demo": token}).decode()})
     try:
-        state = wait_until_up(home)
+        state = wait_until_up(home, up)
         return _run(console, kafka, home, state, tasks, timeout_s, token)
     finally:
         up.send_signal(signal.SIGTERM)

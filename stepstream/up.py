@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import socket
+import subprocess
 import time
 from pathlib import Path
 
@@ -37,19 +38,21 @@ def up_state_file(home: Path) -> Path:
 
 
 def run_up(service_port: int | None = None) -> int:
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)  # whole lines: the demo and tests read them from a log
     stop = GracefulShutdown(ConsumerSettings().drain_timeout_s * 2).install().event
     kafka = KafkaSettings()
     home = kafka.home.resolve()
+    logs = home / "logs"
+    logs.mkdir(parents=True, exist_ok=True)  # a fresh clone has no home yet; every process logs there
     bootstrap = kafka.bootstrap_servers or LocalBroker(home).start().bootstrap_servers
     layout = TopicLayout.from_settings(kafka)
     ensure_topics(AdminClient(connection_config(bootstrap)), layout.core_specs(), kafka.replication_factor)
     agents = sorted(SchedulerSettings().load_registry().agents & ORDER_OPERATIONS.keys())
 
     service = ServiceProcess(port=service_port, state_file=home / "orders-service.json",
-                             log_path=home / "logs" / "orders-service.log").start()
+                             log_path=logs / "orders-service.log").start()
     procs = ServiceProcesses(child_env(STEPSTREAM_BOOTSTRAP_SERVERS=bootstrap, STEPSTREAM_HOME=str(home),
-                                       STEPSTREAM_AGENT_SERVICE_URL=service.base_url), home / "logs")
+                                       STEPSTREAM_AGENT_SERVICE_URL=service.base_url), logs)
     names = ["projector", "scheduler", *agents, "supervisor", "api"]
     dead: list[str] = []
     try:
@@ -65,7 +68,7 @@ def run_up(service_port: int | None = None) -> int:
             "api_url": api_url, "pids": {name: proc.pid for name, proc in procs.procs.items()},
         }))
         console.print(f"{READY_MARKER}: kafka {bootstrap}, order service {service.base_url}, "
-                      f"dashboard and API {api_url}, services {', '.join(names)}; logs in {home / 'logs'}",
+                      f"dashboard and API {api_url}, services {', '.join(names)}; logs in {logs}",
                       highlight=False)
         while not stop.wait(0.5):
             dead = [name for name in names if not procs.alive(name)]
@@ -93,13 +96,16 @@ def _api_port() -> int:
     return port
 
 
-def wait_until_up(home: Path, timeout_s: float = 120.0) -> dict[str, object]:
-    """For callers that started ``stepstream up`` in the background: its state once every service runs."""
+def wait_until_up(home: Path, up: subprocess.Popen[bytes], timeout_s: float = 120.0) -> dict[str, object]:
+    """For callers that started ``stepstream up`` (``up``) in the background: its state once every service
+    runs. An ``up`` that exits first is reported at once, not after the timeout."""
     deadline = time.monotonic() + timeout_s
     path = up_state_file(home.resolve())
     while time.monotonic() < deadline:
         if path.exists():
             state: dict[str, object] = json.loads(path.read_text())
             return state
+        if up.poll() is not None:
+            raise RuntimeError(f"stepstream up exited with {up.returncode} before it was up")
         time.sleep(0.2)
     raise TimeoutError(f"stepstream up did not come up within {timeout_s}s")

@@ -1,8 +1,10 @@
 """``stepstream submit``, ``stepstream status`` and ``stepstream tasks``: the submission path for people
 and scripts.
 
-Exit codes scripts can rely on: 0 done (submitted, or completed with --wait), 2 invalid input, 3 no such
-task, 4 the task ended without completing, 5 rejected by admission control, 124 --wait timed out.
+Exit codes scripts can rely on: 0 done (submitted, or completed with --wait), 2 invalid input (an unknown
+workflow or version included: nothing is produced), 3 no such task, 4 the task ended without completing, 5
+rejected by admission control, 6 refused as a contradiction (the task id exists with other data; the
+existing task is untouched), 124 --wait timed out.
 
 ``stepstream tasks`` lists tasks from the state store, newest first (by creation): a table for people, or
 with ``--json`` one JSON object per line (the store's row, times in epoch milliseconds) and nothing else on
@@ -25,12 +27,12 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from projections.rows import EPOCH, exact_ms
-from stepstream.client import Client, InvalidSubmission, SubmissionRejected, TaskWaitTimeout
+from stepstream.client import Client, InvalidSubmission, SubmissionContradicts, SubmissionRejected, TaskWaitTimeout
 
 if TYPE_CHECKING:
     from projections.store import Store
 
-EXIT_INVALID, EXIT_NOT_FOUND, EXIT_NOT_COMPLETED, EXIT_REJECTED, EXIT_TIMEOUT = 2, 3, 4, 5, 124
+EXIT_INVALID, EXIT_NOT_FOUND, EXIT_NOT_COMPLETED, EXIT_REJECTED, EXIT_CONTRADICTION, EXIT_TIMEOUT = 2, 3, 4, 5, 6, 124
 
 # The task states of the projection (``projections/rows.py``), as ``/api/tasks?state=`` accepts them.
 TASK_STATES = ("accepted", "running", "completed", "error", "compensating", "compensated", "compensation_failed",
@@ -101,7 +103,10 @@ def _instant(text: str) -> int:
 
 
 def _read_input(raw: str) -> Any:
-    text = Path(raw[1:]).read_bytes() if raw.startswith("@") else raw.encode()
+    try:
+        text = Path(raw[1:]).read_bytes() if raw.startswith("@") else raw.encode()
+    except OSError as exc:
+        raise InvalidSubmission("input", f"cannot read {raw[1:]}: {exc.strerror or exc}") from None
     try:
         return orjson.loads(text)
     except orjson.JSONDecodeError as exc:
@@ -131,14 +136,14 @@ def _submit(args: argparse.Namespace) -> int:
     except InvalidSubmission as exc:
         print(f"stepstream submit: invalid {exc}", file=sys.stderr)
         return EXIT_INVALID
-    except OSError as exc:
-        print(f"stepstream submit: cannot read --input: {exc}", file=sys.stderr)
-        return EXIT_INVALID
+    except SubmissionContradicts as exc:
+        print(f"stepstream submit: refused as a contradiction: {exc}", file=sys.stderr)
+        return EXIT_CONTRADICTION
     except SubmissionRejected as exc:
         print(f"stepstream submit: {exc}", file=sys.stderr)
         return EXIT_REJECTED
     except TaskWaitTimeout as exc:
-        print(f"stepstream submit: {exc}", file=sys.stderr)
+        print(f"stepstream submit: --wait timed out: {exc}", file=sys.stderr)
         return EXIT_TIMEOUT
     _print(task, args.json)
     return 0 if task["status"] == "completed" else EXIT_NOT_COMPLETED

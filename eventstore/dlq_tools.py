@@ -289,7 +289,7 @@ class DeadLetters:
 
 def _topic_and_bootstrap() -> tuple[str, str]:
     settings = KafkaSettings()
-    return settings.resolved_bootstrap(), TopicLayout.from_settings(settings).dlq
+    return settings.reachable_bootstrap(), TopicLayout.from_settings(settings).dlq
 
 
 def _print_json(payload: Any) -> None:

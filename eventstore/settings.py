@@ -28,20 +28,33 @@ class KafkaSettings(BaseSettings):
         default=Path(".stepstream"),
         description="Project folder for the local broker's data, logs and the embedded state store.",
     )
+    connect_timeout_s: float = Field(default=5.0, gt=0, description="how long a command waits for the cluster")
 
     def resolved_bootstrap(self) -> str:
         """The configured cluster, else the local broker this project folder runs."""
         if self.bootstrap_servers:
             return self.bootstrap_servers
         from eventstore.broker import LocalBroker
+        from eventstore.errors import KafkaUnreachable
 
         running = LocalBroker(self.home).status()
         if running is None:
-            raise RuntimeError(
-                "no Kafka cluster configured (STEPSTREAM_BOOTSTRAP_SERVERS) and the local broker "
-                "is not running: start it with `stepstream broker start`"
+            raise KafkaUnreachable(
+                f"no Kafka cluster configured (STEPSTREAM_BOOTSTRAP_SERVERS) and no local broker running in "
+                f"{self.home.resolve()}: start it with `stepstream broker start`"
             )
         return running.bootstrap_servers
+
+    def reachable_bootstrap(self) -> str:
+        """``resolved_bootstrap``, checked to answer within ``connect_timeout_s``: for commands and clients that
+        should say at once that the cluster is down rather than hang in librdkafka's reconnects. (Services
+        do not check: a broker that is down is a pause for them, not an end.)"""
+        from eventstore.kafka_config import check_reachable
+
+        bootstrap = self.resolved_bootstrap()
+        where = "STEPSTREAM_BOOTSTRAP_SERVERS" if self.bootstrap_servers else f"the local broker of {self.home}"
+        check_reachable(bootstrap, self.connect_timeout_s, where)
+        return bootstrap
 
 
 class KafkaSecuritySettings(BaseSettings):

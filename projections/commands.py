@@ -18,7 +18,7 @@ import orjson
 import structlog
 from rich.console import Console
 
-from eventstore.errors import StepstreamError
+from eventstore.errors import KafkaUnreachable, StepstreamError
 from eventstore.logs import configure_logging
 from eventstore.settings import ConsumerSettings, KafkaSettings, ObservabilitySettings
 from eventstore.shutdown import GracefulShutdown
@@ -88,7 +88,7 @@ def rebuild(*, into: str | None, until_offset: str | None, until_time_text: str 
     if (until_offset or until_time_text) and target is None:
         raise UsageError("--until-offset/--until-time rebuild the log as it was then into a store of its own: "
                          "name it with --into STORE (the live store is never rolled back)")
-    bootstrap = kafka.resolved_bootstrap()
+    bootstrap = kafka.reachable_bootstrap()
     until: Offsets | None = None
     if until_offset:
         until = {layout.events: parse_until_offset(until_offset)}
@@ -115,19 +115,20 @@ def verify(*, against: str | None, batch_size: int, as_json: bool, progress: boo
     kafka = KafkaSettings()
     layout = TopicLayout.from_settings(kafka)
     other_spec = _spec("--against", against) if against else None
+    bootstrap = kafka.reachable_bootstrap() if other_spec is None else None  # before any progress bar shows
     console = Console(stderr=True) if progress else None
     with progress_bar(console) as bar:
         live = StoreSettings().open(kafka.home)
         try:
-            if other_spec is not None:
+            if bootstrap is not None:
+                replayer = Replayer(bootstrap, sources(layout), batch_size=batch_size, progress=bar)
+                comparison = verify_against_replay(live, replayer)
+            elif other_spec is not None:
                 other = other_spec.open()
                 try:
                     comparison = verify_stores(live, other, bar)
                 finally:
                     other.close()
-            else:
-                replayer = Replayer(kafka.resolved_bootstrap(), sources(layout), batch_size=batch_size, progress=bar)
-                comparison = verify_against_replay(live, replayer)
         finally:
             live.close()
     if as_json:
@@ -168,7 +169,7 @@ def serve_api(*, host: str | None, port: int | None) -> int:
     layout = TopicLayout.from_settings(kafka)
     try:
         lag: LagReader | None = LagReader(kafka.resolved_bootstrap(), layout.prefix)
-    except RuntimeError as exc:  # no cluster configured and no local broker: serve the store anyway
+    except KafkaUnreachable as exc:  # no cluster configured and no local broker: serve the store anyway
         print(f"stepstream: lag is not measured, writes are off: {exc}", file=sys.stderr)
         lag = None
     store = StoreSettings().open(kafka.home)

@@ -76,7 +76,7 @@ class Client:
         self.kafka = kafka or KafkaSettings()
         self.registry = registry or SchedulerSettings().load_registry()
         self.layout = TopicLayout.from_settings(self.kafka)
-        self.bootstrap = self.kafka.resolved_bootstrap()
+        self.bootstrap = self.kafka.reachable_bootstrap()
         self.submitter = submitter
         self.store_path = store_path
         self._producer = EventProducer(self.bootstrap)

@@ -150,8 +150,14 @@ def _submit(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    with Client() as client:
-        task = client.status(args.task_id)
+    """Reads the state store only: it answers with the broker down."""
+    store = _open_store("status")
+    if store is None:
+        return EXIT_NOT_FOUND
+    try:
+        task = store.task(args.task_id)
+    finally:
+        store.close()
     if task is None:
         print(f"stepstream status: no task {args.task_id!r} in the state store", file=sys.stderr)
         return EXIT_NOT_FOUND
@@ -227,15 +233,16 @@ def all_tasks(store: Store, wanted: TaskFilter, size: int) -> Iterator[list[dict
         until_ms = last
 
 
-def _open_store(as_json: bool) -> Store | None:
-    """The configured state store; None when it is an SQLite file no projector has created yet."""
+def _open_store(command: str, *, quiet: bool = False) -> Store | None:
+    """The configured state store; None (said on stderr unless ``quiet``) when it is an SQLite file no
+    projector has created yet: opening it would create an empty one, answering every question with "none"."""
     from eventstore.settings import KafkaSettings
     from projections.settings import StoreSettings
 
     spec = StoreSettings().spec(KafkaSettings().home)
     if spec.kind == "sqlite" and not Path(spec.location).exists():
-        if not as_json:
-            print(f"stepstream tasks: no state store at {spec.location} yet (has the projector run?)",
+        if not quiet:
+            print(f"stepstream {command}: no state store at {spec.location} yet (has the projector run?)",
                   file=sys.stderr)
         return None
     return spec.open()
@@ -284,7 +291,7 @@ def _tasks(args: argparse.Namespace) -> int:
         print("stepstream tasks: argument --until: must be after --since", file=sys.stderr)
         return EXIT_INVALID
     wanted = TaskFilter(tuple(dict.fromkeys(args.state or ())), args.workflow, args.since, args.until)
-    store = _open_store(args.json)
+    store = _open_store("tasks", quiet=args.json)
     try:
         if args.all:
             pages: Iterator[list[dict[str, Any]]] = all_tasks(store, wanted, args.limit) if store else iter(())

@@ -44,7 +44,7 @@ def run_up(service_port: int | None = None) -> int:
     home = kafka.home.resolve()
     logs = home / "logs"
     logs.mkdir(parents=True, exist_ok=True)  # a fresh clone has no home yet; every process logs there
-    bootstrap = kafka.bootstrap_servers or LocalBroker(home).start().bootstrap_servers
+    bootstrap = kafka.reachable_bootstrap() if kafka.bootstrap_servers else LocalBroker(home).start().bootstrap_servers
     layout = TopicLayout.from_settings(kafka)
     ensure_topics(AdminClient(connection_config(bootstrap)), layout.core_specs(), kafka.replication_factor)
     agents = sorted(SchedulerSettings().load_registry().agents & ORDER_OPERATIONS.keys())

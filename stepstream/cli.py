@@ -121,7 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    if not (sys.argv[1:] if argv is None else argv):  # no command: the list of them, not argparse's one-liner
+        parser.print_help(sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)

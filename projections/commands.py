@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 import structlog
-from rich.console import Console
 
+from eventstore.console import command_console
 from eventstore.errors import KafkaUnreachable, StepstreamError
 from eventstore.logs import configure_logging
 from eventstore.settings import ConsumerSettings, KafkaSettings, ObservabilitySettings
@@ -70,7 +70,7 @@ def _emit(as_json: bool, payload: dict[str, Any], human: str) -> None:
     if as_json:
         sys.stdout.write(orjson.dumps(payload).decode() + "\n")
     else:
-        Console().print(human, highlight=False)
+        command_console().print(human)
 
 
 def rebuild(*, into: str | None, until_offset: str | None, until_time_text: str | None, batch_size: int,
@@ -88,13 +88,15 @@ def rebuild(*, into: str | None, until_offset: str | None, until_time_text: str 
     if (until_offset or until_time_text) and target is None:
         raise UsageError("--until-offset/--until-time rebuild the log as it was then into a store of its own: "
                          "name it with --into STORE (the live store is never rolled back)")
-    bootstrap = kafka.reachable_bootstrap()
+    offsets = parse_until_offset(until_offset) if until_offset else None
+    moment = parse_time("--until-time", until_time_text) if until_time_text else None
+    bootstrap = kafka.reachable_bootstrap()  # once the options are known good: a usage error needs no cluster
     until: Offsets | None = None
-    if until_offset:
-        until = {layout.events: parse_until_offset(until_offset)}
-    elif until_time_text:
-        until = until_time(bootstrap, [layout.events, layout.dlq], parse_time("--until-time", until_time_text))
-    with progress_bar(Console(stderr=True) if progress else None) as bar:
+    if offsets is not None:
+        until = {layout.events: offsets}
+    elif moment is not None:
+        until = until_time(bootstrap, [layout.events, layout.dlq], moment)
+    with progress_bar(command_console(stderr=True) if progress else None) as bar:
         replayer = Replayer(bootstrap, sources(layout), batch_size=batch_size, progress=bar)
         store = (target or live_spec).open()
         try:
@@ -116,7 +118,7 @@ def verify(*, against: str | None, batch_size: int, as_json: bool, progress: boo
     layout = TopicLayout.from_settings(kafka)
     other_spec = _spec("--against", against) if against else None
     bootstrap = kafka.reachable_bootstrap() if other_spec is None else None  # before any progress bar shows
-    console = Console(stderr=True) if progress else None
+    console = command_console(stderr=True) if progress else None
     with progress_bar(console) as bar:
         live = StoreSettings().open(kafka.home)
         try:
@@ -134,7 +136,7 @@ def verify(*, against: str | None, batch_size: int, as_json: bool, progress: boo
     if as_json:
         _emit(True, comparison.as_json(), "")
     else:
-        comparison.render(Console())
+        comparison.render(command_console())
     return 0 if comparison.equal else 1
 
 

@@ -24,8 +24,10 @@ import orjson
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from agents.orders_client import OrdersAdmin
+from eventstore.console import command_console
 from eventstore.settings import KafkaSettings
 from projections.settings import StoreSettings
 from schemas.messages import SubmitTask
@@ -49,7 +51,7 @@ def _orders(run_id: str, count: int) -> list[SubmitTask]:
 
 
 def run_demo(tasks: int = 20, timeout_s: float = 180.0) -> int:
-    console = Console(width=max(Console().width, 140))
+    console = command_console()
     kafka = KafkaSettings()
     home = kafka.home.resolve()
     log_path = home / "logs" / "up.log"
@@ -139,8 +141,9 @@ def _run(console: Console, kafka: KafkaSettings, home: Path, state: dict[str, ob
 
 def _print_table(console: Console, ids: list[str], rows: dict[str, dict[str, Any] | None]) -> None:
     table = Table(title="how each order ended")
-    for column in ("task", "status", "attempts per step", "failures", "error"):
+    for column in ("task", "status", "attempts per step", "failures"):
         table.add_column(column)
+    table.add_column("error", overflow="fold")  # whole: the reason is at its end
     for task_id in ids:
         row = rows.get(task_id)
         if row is None:
@@ -149,5 +152,5 @@ def _print_table(console: Console, ids: list[str], rows: dict[str, dict[str, Any
         attempts = " ".join(f"{s['step']}:{s['attempt']}" for s in row.get("steps") or [])
         style = {"completed": "green", "compensated": "cyan", "error": "red"}.get(str(row["status"]), "yellow")
         table.add_row(task_id, f"[{style}]{row['status']}[/{style}]", attempts, str(row["failure_count"]),
-                      str(row["error"] or "")[:70])
+                      Text(str(row["error"] or "")))
     console.print(table)

@@ -266,12 +266,12 @@ STATUS_STYLES = {"completed": "green", "error": "red", "compensation_failed": "b
 
 
 def _table(rows: Sequence[dict[str, Any]], more: bool) -> None:
-    from rich.console import Console
     from rich.table import Table
     from rich.text import Text
 
-    # Piped output keeps whole rows (rich would squeeze them into 80 columns).
-    console = Console(highlight=False, width=None if sys.stdout.isatty() else 240)
+    from eventstore.console import command_console
+
+    console = command_console()
     if rows:
         table = Table(box=None, header_style="bold", pad_edge=False)
         for name in ("task", "workflow", "status", "created (UTC)", "updated (UTC)", "error"):

@@ -16,11 +16,11 @@ import time
 from pathlib import Path
 
 from confluent_kafka.admin import AdminClient
-from rich.console import Console
 
 from agents.orders_client import ServiceProcess
 from agents.shipped import ORDER_OPERATIONS
 from eventstore.broker import LocalBroker
+from eventstore.console import command_console
 from eventstore.errors import StepstreamError
 from eventstore.kafka_config import connection_config
 from eventstore.settings import ConsumerSettings, KafkaSettings, ObservabilitySettings
@@ -43,7 +43,7 @@ class PortTaken(StepstreamError):
 
 
 def run_up(service_port: int | None = None) -> int:
-    console = Console(stderr=True, soft_wrap=True)  # whole lines: the demo and tests read them from a log
+    console = command_console(stderr=True)  # whole lines, also in a log: the demo and tests read them
     stop = GracefulShutdown(ConsumerSettings().drain_timeout_s * 2).install().event
     kafka = KafkaSettings()
     agents = sorted(SchedulerSettings().load_registry().agents & ORDER_OPERATIONS.keys())

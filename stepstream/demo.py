@@ -32,7 +32,7 @@ from eventstore.settings import KafkaSettings
 from projections.settings import StoreSettings
 from schemas.messages import SubmitTask
 from stepstream.client import Client
-from stepstream.up import wait_until_up
+from stepstream.up import refuse_if_up, wait_until_up
 
 TERMINAL = {"completed", "error", "rejected", "compensated", "compensation_failed"}
 
@@ -54,6 +54,7 @@ def run_demo(tasks: int = 20, timeout_s: float = 180.0) -> int:
     console = command_console()
     kafka = KafkaSettings()
     home = kafka.home.resolve()
+    refuse_if_up(home)  # attaching to it would run without its token, and switch its faults on
     log_path = home / "logs" / "up.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     console.print("starting the system (broker, order service, projector, scheduler, agents, supervisor)...")

@@ -9,6 +9,7 @@ On SIGTERM it drains them newest first and reports each exit code.
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import subprocess
@@ -42,6 +43,34 @@ class PortTaken(StepstreamError):
     """A port a service of ``stepstream up`` must listen on is in use."""
 
 
+class AlreadyUp(StepstreamError):
+    """A ``stepstream up`` runs with this home already: a second would start a second set of services on
+    the same topics and store, and remove the first one's state file when it stops."""
+
+
+def refuse_if_up(home: Path) -> None:
+    """Raise AlreadyUp naming the running system (its process, its dashboard) and how to stop it."""
+    try:
+        state = json.loads(up_state_file(home).read_text())
+    except (OSError, ValueError):
+        return
+    pid = state.get("pid")
+    if isinstance(pid, int) and _alive(pid):
+        raise AlreadyUp(f"a system is already up in {home} (stepstream up, pid {pid}, dashboard "
+                        f"{state.get('api_url')}): stop it first (Ctrl-C where it runs, or kill -TERM {pid}), "
+                        "or use another STEPSTREAM_HOME")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
 def run_up(service_port: int | None = None) -> int:
     console = command_console(stderr=True)  # whole lines, also in a log: the demo and tests read them
     stop = GracefulShutdown(ConsumerSettings().drain_timeout_s * 2).install().event
@@ -50,6 +79,7 @@ def run_up(service_port: int | None = None) -> int:
     services = ["projector", "scheduler", *agents, "supervisor"]
     metrics = metrics_ports(services, ObservabilitySettings().metrics_port)
     home = kafka.home.resolve()
+    refuse_if_up(home)
     logs = home / "logs"
     logs.mkdir(parents=True, exist_ok=True)  # a fresh clone has no home yet; every process logs there
     bootstrap = kafka.reachable_bootstrap() if kafka.bootstrap_servers else LocalBroker(home).start().bootstrap_servers
@@ -71,11 +101,13 @@ def run_up(service_port: int | None = None) -> int:
             procs.wait_started(name)
         procs.wait_started("api", API_MARKER)
         api_url = re.findall(API_MARKER + r" (http://\S+)", procs.log("api"))[0]
-        up_state_file(home).write_text(json.dumps({
-            "bootstrap": bootstrap, "service_url": service.base_url, "topic_prefix": layout.prefix,
+        written = up_state_file(home).with_suffix(".tmp")  # then renamed: a reader never sees half a file
+        written.write_text(json.dumps({
+            "pid": os.getpid(), "bootstrap": bootstrap, "service_url": service.base_url, "topic_prefix": layout.prefix,
             "api_url": api_url, "pids": {name: proc.pid for name, proc in procs.procs.items()},
             "metrics_ports": metrics,
         }))
+        written.replace(up_state_file(home))
         console.print(f"{READY_MARKER}: kafka {bootstrap}, order service {service.base_url}, "
                       f"dashboard and API {api_url}, services {', '.join(names)}; logs in {logs}",
                       highlight=False)
@@ -130,13 +162,15 @@ def _api_port() -> int:
 
 def wait_until_up(home: Path, up: subprocess.Popen[bytes], timeout_s: float = 120.0) -> dict[str, object]:
     """For callers that started ``stepstream up`` (``up``) in the background: its state once every service
-    runs. An ``up`` that exits first is reported at once, not after the timeout."""
+    runs (its own state, not a file an earlier ``up`` left behind). An ``up`` that exits first is reported at
+    once, not after the timeout."""
     deadline = time.monotonic() + timeout_s
     path = up_state_file(home.resolve())
     while time.monotonic() < deadline:
         if path.exists():
             state: dict[str, object] = json.loads(path.read_text())
-            return state
+            if state.get("pid") == up.pid:
+                return state
         if up.poll() is not None:
             raise RuntimeError(f"stepstream up exited with {up.returncode} before it was up")
         time.sleep(0.2)

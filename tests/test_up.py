@@ -79,3 +79,28 @@ def test_up_with_a_metrics_port_in_use_refuses_before_starting_anything(
         f"stepstream: STEPSTREAM_METRICS_PORT={port}: port {port} for projector (ports {port}-")
     assert "choose another base, or 0 for any free ports" in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "home").exists(), "nothing started, nothing written"
+
+
+def test_a_second_up_or_a_demo_while_a_system_is_up_is_refused_and_the_running_one_is_untouched(
+    test_env: dict[str, str], tmp_path: Path,
+) -> None:
+    home = tmp_path / ".stepstream"
+    env = {**test_env, "STEPSTREAM_HOME": str(home), "STEPSTREAM_API_PORT": "0"}
+    output = tmp_path / "up.out"
+    with output.open("wb") as out:
+        up = subprocess.Popen([sys.executable, "-m", "stepstream", "up"], env=env, cwd=tmp_path,
+                              stdout=out, stderr=subprocess.STDOUT)
+    try:
+        state = wait_until_up(home, up, timeout_s=150)
+        for command in (["up"], ["demo", "--tasks", "1"]):
+            done = subprocess.run([sys.executable, "-m", "stepstream", *command], env=env, cwd=tmp_path,
+                                  capture_output=True, text=True, timeout=60, check=False)
+            assert done.returncode == 1 and done.stderr.splitlines() == [
+                f"stepstream: a system is already up in {home} (stepstream up, pid {up.pid}, dashboard "
+                f"{state['api_url']}): stop it first (Ctrl-C where it runs, or kill -TERM {up.pid}), "
+                "or use another STEPSTREAM_HOME"], command
+        assert up.poll() is None and wait_until_up(home, up, timeout_s=1) == state
+    finally:
+        up.send_signal(signal.SIGTERM)
+        code = up.wait(timeout=150)
+    assert code == 0, output.read_text()

@@ -3,7 +3,8 @@
 A submission is validated before anything is produced, so a bad input raises an error naming the field
 and writes nothing: that includes a workflow or version the scheduler does not run (checked against the
 registry ``STEPSTREAM_SCHEDULER_WORKFLOWS`` names, as the scheduler and the HTTP API do), which the
-scheduler would otherwise dead-letter while the submitter waited for an answer that never comes.
+scheduler would otherwise dead-letter while the submitter waited for an answer that never comes, and an
+input its workflow's input model refuses.
 
 Task ids are the idempotency key of the whole system: submitting the same task again (a retry after a
 timeout, a crash between a database write and the submit) runs it once.
@@ -99,7 +100,7 @@ class Client:
 
     def submit(self, workflow: str, input: Any, *, version: int | None = None, task_id: str | None = None) -> str:
         """Produce a submission and wait until Kafka has it (acks=all). Returns the task id."""
-        check_workflow(self.registry, workflow, version)
+        check_submission(self.registry, workflow, version, input)
         command = build_submission(workflow, input, version=version, task_id=task_id, submitter=self.submitter,
                                    reply_topic=self.reply_topic if self.submitter else None)
         known = self.status(command.task_id) if task_id is not None else None
@@ -212,16 +213,21 @@ class Client:
         self.close()
 
 
-def check_workflow(registry: WorkflowRegistry, workflow: str, version: int | None) -> None:
-    """Raise InvalidSubmission naming ``workflow`` or ``version`` when ``registry`` does not run it."""
+def check_submission(registry: WorkflowRegistry, workflow: str, version: int | None, input: Any) -> None:
+    """Raise InvalidSubmission naming ``workflow`` or ``version`` when ``registry`` does not run it, or the
+    first field of ``input`` its input model refuses (``input.amount``)."""
     try:
-        registry.get(workflow, version)
+        found = registry.get(workflow, version)
     except WorkflowNotFoundError as exc:
         versions = sorted(w.version for w in registry.workflows() if w.name == workflow)
         if versions:
             raise InvalidSubmission("version", f"{exc} (it has {', '.join(map(str, versions))})") from None
         names = sorted({w.name for w in registry.workflows()})
         raise InvalidSubmission("workflow", f"{exc} (this deployment runs {', '.join(names) or 'none'})") from None
+    errors = found.input_errors(input) if isinstance(input, dict) else []
+    if errors:
+        where, message = errors[0]
+        raise InvalidSubmission(f"input.{where}" if where else "input", message)
 
 
 def same_submission(store: Store, existing: dict[str, Any], workflow: str, version: int | None,

@@ -25,8 +25,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import orjson
+from pydantic import ValidationError
 
 from projections.rows import EPOCH, exact_ms
+from scheduler.settings import SchedulerSettings
 from stepstream.client import Client, InvalidSubmission, SubmissionContradicts, SubmissionRejected, TaskWaitTimeout
 
 if TYPE_CHECKING:
@@ -41,7 +43,12 @@ ERROR_WIDTH = 60
 
 
 def add_parsers(commands: Any) -> None:
-    submit = commands.add_parser("submit", help="submit a task")
+    submit = commands.add_parser(
+        "submit", help="submit a task", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Submit a task. Exit codes: 0 submitted (with --wait: completed), 2 invalid input (unknown "
+                    "workflow or version included), 4 ended without completing, 5 rejected by admission control, "
+                    "6 refused as a contradiction, 124 --wait timed out, 69 no Kafka cluster answered.",
+        epilog=_workflows_help())
     submit.add_argument("workflow")
     submit.add_argument("--input", required=True, help="a JSON object, or @file holding one")
     submit.add_argument("--task-id", default=None, help="idempotency key (default: a new id)")
@@ -75,6 +82,15 @@ def add_parsers(commands: Any) -> None:
     tasks.add_argument("--json", action="store_true",
                        help="one JSON object per line (JSON Lines), nothing else on stdout")
     tasks.set_defaults(func=_tasks)
+
+
+def _workflows_help() -> str:
+    """The workflows this deployment runs and their inputs (the registry STEPSTREAM_SCHEDULER_WORKFLOWS names)."""
+    try:
+        lines = SchedulerSettings().load_registry().describe_inputs()
+    except (ValidationError, ImportError, AttributeError, TypeError) as exc:  # every command builds this parser:
+        return f"workflows: cannot load STEPSTREAM_SCHEDULER_WORKFLOWS: {exc}"  # say what is wrong, do not fail
+    return "workflows and their --input:\n" + "\n".join(f"  {line}" for line in lines)
 
 
 def _nonempty(text: str) -> str:

@@ -55,7 +55,7 @@ from schemas.messages import (
     TaskRejected,
     new_id,
 )
-from stepstream.client import InvalidSubmission, build_submission, check_workflow, same_submission
+from stepstream.client import InvalidSubmission, build_submission, check_submission, same_submission
 from stepstream.operator import Outcome
 
 log = structlog.get_logger("stepstream.api")
@@ -374,9 +374,12 @@ class TaskWriter:
             return Answer(403, {"detail": f"submitter {request.submitter!r}: a token of {holder!r} may only name "
                                           f"its own reply topic ({holder!r}, the default)"})
         try:
-            check_workflow(self.registry, request.workflow, request.version)
+            check_submission(self.registry, request.workflow, request.version, request.input)
         except InvalidSubmission as exc:
-            raise _invalid(exc.field, exc.reason, getattr(request, exc.field)) from None
+            head, _, rest = exc.field.partition(".")
+            value = getattr(request, head)
+            raise _invalid(exc.field, exc.reason, value.get(rest) if rest and isinstance(value, dict) else value) \
+                from None
         try:
             command = build_submission(request.workflow, request.input, version=request.version,
                                        task_id=request.task_id, submitter=holder,
@@ -522,7 +525,9 @@ def write_router(writer: TaskWriter | None, settings: ApiSettings) -> APIRouter:
         409: {"description": "the task id exists with other data: nothing submitted"},
         429: {"description": "admission control refused the task: retry after Retry-After, same task id"},
         **unavailable,
-    })
+    }, description="Submit a task; the answer is the scheduler's decision (or 202 if it takes longer). "
+                   "A 422 names the field at fault (`input.amount`). Workflows and their `input`:\n\n" + "\n".join(
+                       f"- {line}" for line in (writer.registry.describe_inputs() if writer else [])))
     def submit_task(request: SubmissionRequest, who: Annotated[str, Depends(token_holder)]) -> JSONResponse:
         """Submit a task; the answer is the scheduler's decision (or 202 if it takes longer)."""
         answer = _guard(lambda: _require(writer).submit(request, who), settings)

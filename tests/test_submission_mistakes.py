@@ -58,6 +58,27 @@ def test_client_submit_of_an_unknown_workflow_or_version_raises_naming_the_field
     assert _nothing_on_inbox(system)
 
 
+def test_cli_submit_of_an_input_the_workflows_model_refuses_exits_2_naming_the_field_and_produces_nothing(
+    system: System,
+) -> None:
+    done = system.cli("submit", "orders-typed", "--input", '{"order_id": "o-1", "sku": "A-1", "qty": 1}')
+    assert (done.returncode, done.stderr.strip()) == (2, "stepstream submit: invalid input.amount: Field required")
+    wrong = system.cli("submit", "orders-typed", "--input", '{"order_id": "o-1", "sku": "A-1", "qty": "one", '
+                                                            '"amount": 1}')
+    assert (wrong.returncode, wrong.stderr.strip()) == (
+        2, "stepstream submit: invalid input.qty: Input should be a valid integer, unable to parse string as an "
+           "integer")
+    assert _nothing_on_inbox(system)
+
+
+def test_cli_submit_help_lists_each_workflow_and_its_input_fields(system: System) -> None:
+    shown = system.cli("submit", "--help")
+    assert shown.returncode == 0
+    assert ("orders-typed v1: order_id (string, required), sku (string, required), qty (integer, required), "
+            "amount (number, required)") in shown.stdout
+    assert "orders v1: any JSON object" in shown.stdout
+
+
 def test_cli_submit_wait_that_times_out_exits_124_saying_the_wait_timed_out(system: System) -> None:
     done = system.cli("submit", "orders", "--input", ORDER, "--task-id", "slow", "--wait", "--timeout", "1")
     assert (done.returncode, done.stderr.strip()) == (

@@ -103,11 +103,11 @@ def _run(console: Console, kafka: KafkaSettings, home: Path, state: dict[str, ob
         console.print("faults on: 20% server errors, 10% throttling (429, Retry-After 1s), 20 ms latency; "
                       "shipping refuses 15% of orders for good (those are compensated: refund, release)")
         orders = _orders(uuid.uuid4().hex[:6], tasks)
+        started = time.monotonic()  # from the first submission: small batches end while the last is answered
         _submit(console, kafka, orders, api_url, token)
 
         store = StoreSettings().open(home)
         ids = [o.task_id for o in orders]
-        started = time.monotonic()
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                       TimeElapsedColumn(), console=console) as progress:
             bar = progress.add_task("tasks finished", total=len(ids))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 from prometheus_client import Counter, Gauge
@@ -42,13 +42,21 @@ class Dependency:
     #: Moving average of the time a call that got an answer took: what a new call should expect to need.
     usual_call_s: float = 0.0
 
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
     def apply(self, policy: DependencyPolicy) -> None:
-        """Use ``policy`` from the next call on, keeping breaker state and spent retries."""
-        if policy is self.policy or policy == self.policy:
+        """Use ``policy`` from the next call on, keeping breaker state and spent retries.
+
+        Locked: concurrent attempts apply a reloaded policy at once, and breaker and budget must both get it.
+        """
+        if policy is self.policy:
             return
-        self.breaker.configure(policy.breaker)
-        self.budget.configure(policy.budget)
-        self.policy = policy
+        with self._lock:
+            if policy == self.policy:
+                return
+            self.breaker.configure(policy.breaker)
+            self.budget.configure(policy.budget)
+            self.policy = policy
 
     def first_call(self) -> None:
         """A call that is not a retry is about to be made (it earns the retry budget its ratio)."""

@@ -37,9 +37,18 @@ def request_headers(call: Call) -> dict[str, str]:
     return headers
 
 
+def pooled_client(connections: int) -> httpx.Client:
+    """A client for many calls at once from many threads (httpx.Client is thread-safe).
+
+    It keeps up to ``connections`` keep-alive connections, one per call in flight, so concurrent calls
+    neither queue for a connection nor pay a TCP handshake each.
+    """
+    return httpx.Client(limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections))
+
+
 def http_post_handler(base_url: str, path: str, client: httpx.Client | None = None) -> AgentHandler:
     """A handler that POSTs the step's data to ``base_url/path`` with the idempotency key and attempt."""
-    http = client or httpx.Client(base_url=base_url)
+    http = client or httpx.Client()
     url = f"{base_url.rstrip('/')}/{path.lstrip('/')}"
 
     def call(request: Call) -> dict[str, Any]:

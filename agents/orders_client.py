@@ -31,6 +31,7 @@ from agents.orders_service import ATTEMPT_HEADER, IDEMPOTENCY_HEADER, OPERATIONS
 
 __all__ = [
     "OPERATIONS",
+    "Arrival",
     "CallCounts",
     "FaultsView",
     "Operation",
@@ -51,6 +52,14 @@ class CallCounts(TypedDict):
     applied: dict[str, dict[str, int]]
     outcomes: dict[str, dict[str, dict[str, int]]]
     in_flight: int
+    peak_in_flight: int
+
+
+class Arrival(TypedDict):
+    """One request as ``GET /admin/arrivals`` lists it: its ``X-Attempt`` and when it arrived (epoch s)."""
+
+    attempt: int
+    at: float
 
 
 class Records(TypedDict):
@@ -390,6 +399,15 @@ class OrdersAdmin:
     def calls(self) -> CallCounts:
         result: CallCounts = self._json(self._http.get("/admin/calls"))
         return result
+
+    def arrivals(self) -> dict[str, dict[str, list[Arrival]]]:
+        """Per operation and idempotency key, each request's ``X-Attempt`` and arrival time, in arrival order."""
+        result: dict[str, dict[str, list[Arrival]]] = self._json(self._http.get("/admin/arrivals"))
+        return result
+
+    def arrival_order(self, operation: Operation) -> dict[str, list[int]]:
+        """Per idempotency key of ``operation``, the attempt numbers in the order their requests arrived."""
+        return {key: [a["attempt"] for a in log] for key, log in self.arrivals().get(operation, {}).items()}
 
     def records(self, order_id: str | None = None) -> Records:
         params = {"order_id": order_id} if order_id is not None else None

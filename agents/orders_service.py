@@ -210,6 +210,8 @@ class OrdersState:
 
     def __init__(self) -> None:
         self.requests: dict[str, dict[str, int]] = {}
+        # Per operation and key, each request's X-Attempt and arrival time, in the order they arrived.
+        self.arrivals: dict[str, dict[str, list[JSON]]] = {}
         self.applied: dict[str, dict[str, int]] = {}
         self.outcomes: dict[str, dict[str, dict[str, int]]] = {}
         self.highest_attempt: dict[str, dict[str, int]] = {}
@@ -225,6 +227,7 @@ class OrdersState:
         return {
             "version": STATE_FILE_VERSION,
             "requests": self.requests,
+            "arrivals": self.arrivals,
             "applied": self.applied,
             "outcomes": self.outcomes,
             "highest_attempt": self.highest_attempt,
@@ -242,6 +245,7 @@ class OrdersState:
             raise ValueError(f"unsupported state file version {data.get('version')!r}")
         state = cls()
         state.requests = data["requests"]
+        state.arrivals = data.get("arrivals", {})  # absent from files written before it was recorded
         state.applied = data["applied"]
         state.outcomes = data["outcomes"]
         state.highest_attempt = data["highest_attempt"]
@@ -467,6 +471,7 @@ class OrdersService:
         self.global_fault: FaultSlot | None = None
         self.op_faults: dict[Operation, FaultSlot] = {}
         self.in_flight = 0
+        self.peak_in_flight = 0  # the most requests handled at once since start or reset
         self.shutting_down = False
         self.started_at = _now()
         self.state = self._load()
@@ -575,6 +580,7 @@ class OrdersService:
         except ProblemError as problem:
             return _json_response(problem.status, problem.body)
         self.in_flight += 1
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
         try:
             status, body, headers = await self._handle_keyed(op, key, attempt, undoes, request)
         except ProblemError as problem:
@@ -590,6 +596,7 @@ class OrdersService:
     ) -> tuple[int, Any, Mapping[str, str]]:
         async with self.lock:
             _bump(self.state.requests, op, key)
+            self.state.arrivals.setdefault(op, {}).setdefault(key, []).append({"attempt": attempt, "at": _now()})
         raw = await request.body()
         try:
             body = orjson.loads(raw)
@@ -679,6 +686,7 @@ class OrdersService:
             "applied": self.state.applied,
             "outcomes": self.state.outcomes,
             "in_flight": self.in_flight,
+            "peak_in_flight": self.peak_in_flight,
         }
 
     def records_view(self, order_id: str | None) -> JSON:
@@ -699,6 +707,7 @@ class OrdersService:
         self.rng = random.Random(self.seed)
         self.state = OrdersState()
         self.clear_faults(None)
+        self.peak_in_flight = self.in_flight
         self.persist()
 
 
@@ -734,6 +743,12 @@ def create_app(*, seed: int = 0, state_file: Path | None = None) -> FastAPI:
     async def admin_calls() -> Response:
         async with service.lock:
             return _json_response(200, service.calls_view())
+
+    @app.get("/admin/arrivals")
+    async def admin_arrivals() -> Response:
+        """Per operation and idempotency key, each request's attempt and arrival time, in arrival order."""
+        async with service.lock:
+            return _json_response(200, service.state.arrivals)
 
     @app.get("/admin/records")
     async def admin_records(order_id: str | None = None) -> Response:

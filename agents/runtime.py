@@ -1,17 +1,19 @@
 """``stepstream run agent NAME``: calls one remote service for the steps the scheduler hands it.
 
-An agent consumes ``agent.NAME`` in partition order and answers every request on ``inbox`` with the
-attempt id it was given. It makes at most the calls the scheduler allowed for the attempt, never starts
-a call that cannot finish before the attempt's deadline (the dependency's usual call time, or the
-policy's ``min_call_time_s``), and passes the step's idempotency key (stable across attempts) and
-the attempt number (a fencing token) to the service, which is what makes redelivery after a crash safe.
+An agent consumes ``agent.NAME`` with many attempts in flight, those of one task (one key) in offset
+order (:mod:`eventstore.keyed`), and answers every request on ``inbox`` with the attempt id it was
+given. It makes at most the calls the scheduler allowed for the attempt, never starts a call that cannot
+finish before the attempt's deadline (the dependency's usual call time, or the policy's
+``min_call_time_s``), and passes the step's idempotency key (stable across attempts) and the attempt
+number (a fencing token) to the service, which is what makes redelivery after a crash safe.
 
 Within one attempt, transient faults are retried under the dependency's policy (:mod:`agents.policy`):
 back-off with jitter or the service's Retry-After (:mod:`agents.retry`), a timeout on every call, the
-dependency's retry budget (:mod:`agents.budget`) and circuit breaker (:mod:`agents.breaker`). Whatever
-stops the retries -- the allowance, the deadline, the retry limit, a spent budget, an open breaker -- the
-attempt is answered as a transient failure carrying the calls actually made, and the scheduler counts
-them against the step's end-to-end budget; so agent and supervisor retries together never exceed it.
+dependency's retry budget (:mod:`agents.budget`) and circuit breaker (:mod:`agents.breaker`), shared by
+every attempt in flight. Whatever stops the retries -- the allowance, the deadline, the retry limit, a
+spent budget, an open breaker -- the attempt is answered as a transient failure carrying the calls
+actually made, and the scheduler counts them against the step's end-to-end budget; so agent and
+supervisor retries together never exceed it.
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ from agents.faults import (
 from agents.policy import AgentPolicy, DependencyPolicy, PolicyProvider, StaticPolicy
 from agents.retry import RetryPolicy
 from eventstore.errors import PoisonMessageError
+from eventstore.keyed import KeyedConsumerRuntime
 from eventstore.producer import EventProducer
-from eventstore.runtime import ConsumerRuntime, Record
+from eventstore.runtime import Record
 from eventstore.settings import ConsumerSettings, KafkaSettings
 from eventstore.topics import TopicLayout
 from schemas.messages import AgentRequest, StepResult
@@ -242,9 +245,15 @@ class Agent:
         output.send(inbox, self.execute(request))
 
 
-def build_agent(kafka: KafkaSettings, consumer: ConsumerSettings, agent: Agent) -> ConsumerRuntime:
+def build_agent(kafka: KafkaSettings, consumer: ConsumerSettings, agent: Agent, concurrency: int = 1
+                ) -> KeyedConsumerRuntime:
+    """The agent on the keyed runtime: up to ``concurrency`` attempts in flight, one at a time per task.
+
+    The breaker, retry budget and policy are the agent's, so every concurrent attempt shares them.
+    """
     layout = TopicLayout.from_settings(kafka)
-    runtime = ConsumerRuntime(
+    return KeyedConsumerRuntime(
+        concurrency=concurrency,
         bootstrap=kafka.resolved_bootstrap(),
         group_id=f"{layout.prefix}agent.{agent.name}",
         topics=[layout.agent(agent.name)],
@@ -253,4 +262,3 @@ def build_agent(kafka: KafkaSettings, consumer: ConsumerSettings, agent: Agent) 
         settings=consumer,
         stop_event=agent.stopping,
     )
-    return runtime

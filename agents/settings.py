@@ -24,6 +24,8 @@ class AgentSettings(BaseSettings):
     initial_backoff_s: float = Field(default=0.1, gt=0)
     max_backoff_s: float = Field(default=5.0, gt=0)
     policy_file: Path | None = Field(default=None, description="central fault policy (TOML or JSON), hot-reloaded")
+    concurrency: int = Field(default=32, ge=1, le=1024,
+                             description="attempts in flight per agent process (those of one task run in order)")
     policy_poll_s: float = Field(default=1.0, gt=0, description="how often the policy file is checked for changes")
 
     def retry_policy(self) -> RetryPolicy:

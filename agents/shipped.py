@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 
 from agents.dependencies import DependencyRegistry
-from agents.http import http_post_handler
+from agents.http import http_post_handler, pooled_client
 from agents.policy import AgentPolicy, DependencyPolicy, PolicyProvider
 from agents.retry import RetryPolicy
 from agents.runtime import Agent
@@ -32,11 +32,12 @@ ORDER_OPERATIONS: dict[str, str] = {
 def shipped_agent(name: str, service_url: str,
                   policy: PolicyProvider | AgentPolicy | DependencyPolicy | RetryPolicy | None = None,
                   stopping: threading.Event | None = None, *, dependency: str = ORDERS_DEPENDENCY,
-                  dependencies: DependencyRegistry | None = None) -> Agent:
+                  dependencies: DependencyRegistry | None = None, connections: int = 1) -> Agent:
+    """The agent ``name``; ``connections``: how many calls it may have in flight (its HTTP pool)."""
     try:
         path = ORDER_OPERATIONS[name]
     except KeyError:
         known = ", ".join(sorted(ORDER_OPERATIONS))
         raise ValueError(f"no shipped agent named {name!r}; known: {known}") from None
-    return Agent(name, http_post_handler(service_url, path), policy, stopping, dependency=dependency,
-                 dependencies=dependencies)
+    return Agent(name, http_post_handler(service_url, path, pooled_client(connections)), policy, stopping,
+                 dependency=dependency, dependencies=dependencies)

@@ -2,7 +2,8 @@
 
 Run by hand from the project folder::
 
-    .venv/bin/python benchmarks/workflow.py [--tasks N] [--profile-scheduler [PATH]]
+    .venv/bin/python benchmarks/workflow.py [--tasks N] [--latency-ms MS] [--concurrency N] [--system-only]
+                                            [--profile-scheduler [PATH]]
 
 The broker is the one named by STEPSTREAM_BOOTSTRAP_SERVERS, else the project's local broker (started if
 needed and left running). Every run uses fresh topics under a unique prefix (deleted at the end unless
@@ -19,14 +20,19 @@ measures, one after the other:
 2. scheduler alone (a reference, not a target): the scheduler process with no agents; the same 4 x N messages
    go to its inbox (the StepResults name the attempt ids it will give, ``task:step:1``); the clock runs from
    the first send until every TaskCompleted is in ``events``;
-3. the system: the order service (no faults, no latency), then the projector, the scheduler, the inventory,
-   payments and shipping agents and the supervisor as real processes (``ServiceProcesses``, as the system
-   tests run them). Once every consumer owns its partitions and ``--warmup`` tasks went through, N
-   ``SubmitTask`` commands (workflow "orders" v1) are sent to the inbox as fast as one ``EventProducer``
-   sends them; the clock runs from the first send until a watcher reading ``events`` (read_committed, not
-   decoding: the writer fingerprint and the key suffice) has seen a terminal event for every task.
+3. the system: the order service (no faults; ``--latency-ms`` delays each answer), then the projector, the
+   scheduler, the inventory, payments and shipping agents and the supervisor as real processes
+   (``ServiceProcesses``, as the system tests run them). Once every consumer owns its partitions and
+   ``--warmup`` tasks went through, N ``SubmitTask`` commands (workflow "orders" v1) are sent to the inbox as
+   fast as one ``EventProducer`` sends them; the clock runs from the first send until a watcher reading
+   ``events`` (read_committed, not decoding: the writer fingerprint and the key suffice) has seen a terminal
+   event for every task.
 
-Reported: tasks/s, steps/s (3 per task), the scheduler's inbox rate (4 x N / elapsed) and its ratio to the
+``--system-only`` skips 1 and 2. ``--concurrency`` sets the agents' ``STEPSTREAM_AGENT_CONCURRENCY``.
+
+Reported: tasks completed / failed, tasks/s, steps/s (3 per task), a step's queue wait (StepStarted to its
+first call reaching the order service) and execution (that call to StepSucceeded) at p50 / p99, the
+scheduler's inbox rate (4 x N / elapsed) and its ratio to the
 raw loop, step latency (StepStarted.occurred_at to StepSucceeded.occurred_at of the same attempt, read back
 with ReplayReader after the run), task latency, retried attempts, and the CPU time each process used during
 the timed window (from /proc: all threads, and the main thread alone) against the machine's busy time, so
@@ -73,7 +79,7 @@ ROOT = _HERE.parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(ROOT))
 
-from agents.orders_client import ServiceProcess  # noqa: E402
+from agents.orders_client import Arrival, ServiceProcess  # noqa: E402
 from benchmarks.shared import (  # noqa: E402
     create_fresh_topics,
     delete_topics,
@@ -528,6 +534,7 @@ class SystemRun:
     exit_codes: dict[str, int | None] = field(default_factory=dict)
     logs: str = ""
     profile: Path | None = None
+    arrivals: dict[str, dict[str, list[Arrival]]] = field(default_factory=dict)  # the order service's
 
     @property
     def tasks_per_s(self) -> float:
@@ -543,13 +550,20 @@ class SystemRun:
 
 
 def run_system(bootstrap: str, topics: Topics, tmp: Path, n: int, warmup: int, broker_pid: int | None,
-               codec: Codec, profile: Path | None, step: Callable[[str], None]) -> SystemRun:
+               codec: Codec, profile: Path | None, step: Callable[[str], None], latency_ms: int = 0,
+               concurrency: int | None = None) -> SystemRun:
     layout = topics.layout
     result = SystemRun(n, warmup, logs=str(tmp / "logs"), profile=profile)
     store = tmp / "state.db"
     (tmp / "logs").mkdir(parents=True, exist_ok=True)
     service = ServiceProcess(log_path=tmp / "logs" / "orders-service.log").start()
-    procs = ServiceProcesses(service_env(bootstrap, layout, tmp, service.base_url), tmp / "logs", cwd=ROOT)
+    admin = service.admin(timeout_s=60)
+    if latency_ms:
+        admin.set_faults(latency_ms=latency_ms)
+    env = service_env(bootstrap, layout, tmp, service.base_url)
+    if concurrency is not None:
+        env["STEPSTREAM_AGENT_CONCURRENCY"] = str(concurrency)
+    procs = ServiceProcesses(env, tmp / "logs", cwd=ROOT)
     watcher = TerminalWatcher(bootstrap, layout.events, layout.partitions, codec)
     try:
         for name in SERVICES:
@@ -610,7 +624,9 @@ def run_system(bootstrap: str, topics: Topics, tmp: Path, n: int, warmup: int, b
             time.sleep(0.5)
         step(f"state store caught up {result.store_lag_s}s after the last terminal event"
              if result.store_lag_s is not None else "[yellow]state store did not catch up within 120s[/yellow]")
+        result.arrivals = admin.arrivals()
     finally:
+        admin.close()
         if watcher.is_alive():
             watcher.halt()
         step("stopping every service with SIGTERM")
@@ -622,8 +638,23 @@ def run_system(bootstrap: str, topics: Topics, tmp: Path, n: int, warmup: int, b
 # -- after the run: latencies from the event store ---------------------------------------------------
 
 
-def analyse_events(bootstrap: str, topic: str) -> dict[str, Any]:
-    """Step and task latencies of the timed tasks, and how many events of each type they produced."""
+def first_calls(arrivals: dict[str, dict[str, list[Arrival]]]) -> dict[str, datetime]:
+    """Attempt id (``task:step:n``) -> when its first call reached the order service."""
+    first: dict[str, datetime] = {}
+    for per_key in arrivals.values():
+        for key, log in per_key.items():
+            for arrival in log:
+                first.setdefault(f"{key}:{arrival['attempt']}", datetime.fromtimestamp(arrival["at"], UTC))
+    return first
+
+
+def analyse_events(bootstrap: str, topic: str, called: dict[str, datetime]) -> dict[str, Any]:
+    """Step and task latencies of the timed tasks, and how many events of each type they produced.
+
+    With ``called`` (each attempt's first call at the service), a step's time splits into its queue wait
+    (StepStarted to that call: in the agent's topic and the agent's queue) and its execution (that call to
+    StepSucceeded: the service, the answer on inbox, the scheduler).
+    """
     started: dict[str, datetime] = {}
     succeeded: dict[str, datetime] = {}
     accepted: dict[str, datetime] = {}
@@ -655,11 +686,15 @@ def analyse_events(bootstrap: str, topic: str) -> dict[str, Any]:
             step = attempt.rsplit(":", 2)[1]
             by_step.setdefault(step, []).append((done - started[attempt]).total_seconds() * 1000)
     task_ms = [(ended[t] - accepted[t]).total_seconds() * 1000 for t in ended if t in accepted]
+    wait_ms = [(called[a] - at).total_seconds() * 1000 for a, at in started.items() if a in called]
+    run_ms = [(done - called[a]).total_seconds() * 1000 for a, done in succeeded.items() if a in called]
     first, last = (min(accepted.values()), max(ended.values())) if accepted and ended else (None, None)
     return {
         "step_latency": latency_summary([v for values in by_step.values() for v in values]),
         "step_latency_by_step": {name: latency_summary(values) for name, values in by_step.items()},
         "task_latency": latency_summary(task_ms),
+        "step_queue_wait": latency_summary(wait_ms),
+        "step_execution": latency_summary(run_ms),
         "event_counts": dict(sorted(counts.items())),
         "step_failures": dict(failures.most_common()),
         "messages_ignored": dict(ignored.most_common()),
@@ -696,19 +731,18 @@ def profile_table(path: Path, top: int = 25) -> tuple[Table, dict[str, Any]]:
                            for w, c, o, cu in rows[:top]]}
 
 
-def results_table(system: SystemRun, raw: LoopRun, raw_runs: list[LoopRun], alone: SoloRun, events: dict[str, Any],
-                  partitions: int) -> Table:
-    ratio = system.inbox_per_s / raw.rate
+def results_table(system: SystemRun, raw: LoopRun | None, raw_runs: list[LoopRun], alone: SoloRun | None,
+                  events: dict[str, Any], partitions: int, latency_ms: int) -> Table:
     table = Table(title=f"Workflow end to end: {system.tasks:,} orders (3 steps each), {partitions} partitions, "
-                        "no-latency order service", title_justify="left",
+                        f"order service latency {latency_ms} ms", title_justify="left",
                   caption="step latency: StepStarted.occurred_at -> StepSucceeded.occurred_at of the same attempt; "
                           "task latency: TaskAccepted -> its terminal event", caption_justify="left")
     table.add_column("figure")
     table.add_column("value", justify="right")
     table.add_column("target / note")
     steps_ok = "met" if system.steps_per_s >= STEPS_TARGET else "MISSED"
-    ratio_ok = "met" if ratio >= RATIO_TARGET else "MISSED"
     step_lat, task_lat = events["step_latency"], events["task_latency"]
+    wait, run = events["step_queue_wait"], events["step_execution"]
     rows = [
         ("elapsed, first submit to last terminal event", f"{system.elapsed:.2f} s",
          f"submitting took {system.submit_seconds:.2f} s"),
@@ -719,28 +753,37 @@ def results_table(system: SystemRun, raw: LoopRun, raw_runs: list[LoopRun], alon
          f"({system.inbox_messages / system.elapsed:,.0f}/s)"),
         ("attempts beyond one per step", f"{events['event_counts'].get('StepStarted', 0) - 3 * system.tasks:,}",
          "; ".join(f"{v:,} {k}" for k, v in {**events["step_failures"], **events["messages_ignored"]}.items())),
-        (f"raw transactional loop msgs/s (median of {len(raw_runs)})", f"{raw.rate:,.0f}",
-         "runs: " + ", ".join(f"{r.rate:,.0f}" for r in raw_runs) + f"; {raw.messages:,} msgs, "
-         f"{raw.transactions} transactions, {1000 * raw.commit_seconds / raw.transactions:.0f} ms each in "
-         f"send_offsets + commit ({raw.commit_seconds / raw.seconds:.0%} of the time); "
-         f"{1e6 * raw.cpu_seconds / raw.messages:,.0f} CPU µs/msg"
-         + ("" if raw.broker_cpu_seconds is None
-            else f", broker {1e6 * raw.broker_cpu_seconds / raw.messages:,.0f} CPU µs/msg")),
-        ("ratio inbox rate / raw loop", f"{ratio:.3f}", f">= {RATIO_TARGET}: {ratio_ok}"),
-        ("ref: scheduler alone, inbox msgs/s (same messages as the raw loop)", f"{alone.rate:,.0f}",
-         f"{alone.rate / raw.rate:.3f} of the raw loop; {1e6 * alone.cpu_seconds / alone.messages:,.0f} CPU µs/msg "
-         f"({1e6 * alone.main_thread_cpu_seconds / alone.messages:,.0f} in the main thread), "
-         f"{alone.cpu_seconds / alone.seconds:.2f} cores; {alone.messages:,} msgs in {alone.seconds:.2f} s"
-         + ("" if alone.broker_cpu_seconds is None
-            else f"; broker {1e6 * alone.broker_cpu_seconds / alone.messages:,.0f} CPU µs/msg")),
         ("step latency p50 / p99", f"{step_lat['p50_ms']:,.0f} / {step_lat['p99_ms']:,.0f} ms",
          "; ".join(f"{k} {v['p50_ms']:,.0f}/{v['p99_ms']:,.0f}" for k, v in events["step_latency_by_step"].items())),
+        ("step queue wait p50 / p99", f"{wait['p50_ms']:,.0f} / {wait['p99_ms']:,.0f} ms",
+         "StepStarted -> the attempt's first call at the order service"),
+        ("step execution p50 / p99", f"{run['p50_ms']:,.0f} / {run['p99_ms']:,.0f} ms",
+         "that call -> StepSucceeded (service, answer on inbox, scheduler)"),
         ("task latency p50 / p99", f"{task_lat['p50_ms']:,.0f} / {task_lat['p99_ms']:,.0f} ms", ""),
         ("consumer lag, mean / peak (messages)", "",
          "; ".join(f"{k} {v['mean']:,.0f} / {v['peak']:,.0f}" for k, v in system.lag.items())),
         ("state store caught up", "" if system.store_lag_s is None else f"+{system.store_lag_s:.1f} s",
          "after the last terminal event (the projector is not on the clock's path)"),
     ]
+    if raw is not None and alone is not None:
+        ratio = system.inbox_per_s / raw.rate
+        ratio_ok = "met" if ratio >= RATIO_TARGET else "MISSED"
+        rows += [
+            (f"raw transactional loop msgs/s (median of {len(raw_runs)})", f"{raw.rate:,.0f}",
+             "runs: " + ", ".join(f"{r.rate:,.0f}" for r in raw_runs) + f"; {raw.messages:,} msgs, "
+             f"{raw.transactions} transactions, {1000 * raw.commit_seconds / raw.transactions:.0f} ms each in "
+             f"send_offsets + commit ({raw.commit_seconds / raw.seconds:.0%} of the time); "
+             f"{1e6 * raw.cpu_seconds / raw.messages:,.0f} CPU µs/msg"
+             + ("" if raw.broker_cpu_seconds is None
+                else f", broker {1e6 * raw.broker_cpu_seconds / raw.messages:,.0f} CPU µs/msg")),
+            ("ratio inbox rate / raw loop", f"{ratio:.3f}", f">= {RATIO_TARGET}: {ratio_ok}"),
+            ("ref: scheduler alone, inbox msgs/s (same messages as the raw loop)", f"{alone.rate:,.0f}",
+             f"{alone.rate / raw.rate:.3f} of the raw loop; {1e6 * alone.cpu_seconds / alone.messages:,.0f} CPU µs/msg "
+             f"({1e6 * alone.main_thread_cpu_seconds / alone.messages:,.0f} in the main thread), "
+             f"{alone.cpu_seconds / alone.seconds:.2f} cores; {alone.messages:,} msgs in {alone.seconds:.2f} s"
+             + ("" if alone.broker_cpu_seconds is None
+                else f"; broker {1e6 * alone.broker_cpu_seconds / alone.messages:,.0f} CPU µs/msg")),
+        ]
     for row in rows:
         table.add_row(*row)
     return table
@@ -773,10 +816,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile-scheduler", nargs="?", const=DEFAULT_PROFILE, type=Path, default=None,
                         metavar="PATH", help=f"run the scheduler under cProfile (default output {DEFAULT_PROFILE})")
     parser.add_argument("--keep-topics", action="store_true", help="do not delete the run's topics")
+    parser.add_argument("--latency-ms", type=int, default=0, help="the order service's latency per call (default 0)")
+    parser.add_argument("--concurrency", type=int, default=None,
+                        help="calls in flight per agent process (default: STEPSTREAM_AGENT_CONCURRENCY or its default)")
+    parser.add_argument("--system-only", action="store_true",
+                        help="skip the raw loop and the scheduler alone: only the system run")
     args = parser.parse_args(argv)
     n: int = args.tasks
-    if n < 1 or args.warmup < 0:
-        parser.error("--tasks must be >= 1 and --warmup >= 0")
+    if n < 1 or args.warmup < 0 or args.latency_ms < 0 or (args.concurrency is not None and args.concurrency < 1):
+        parser.error("--tasks and --concurrency must be >= 1, --warmup and --latency-ms >= 0")
     raw_n: int = args.raw_messages or INBOX_PER_TASK * n
 
     settings = KafkaSettings()
@@ -805,28 +853,32 @@ def main(argv: list[str] | None = None) -> int:
         step(f"broker: {bootstrap} ({broker}); topics {prefix}* ({layout.partitions} partitions); folder {tmp}")
         create_topics(bootstrap, topics)
         codec = default_codec()
+        raw_runs: list[LoopRun] = []
+        raw: LoopRun | None = None
+        alone: SoloRun | None = None
         try:
-            keys, payloads = inbox_like_messages(codec, n)
-            fill(bootstrap, topics.raw_in, keys, payloads, raw_n * RAW_REPEATS)
-            step(f"raw loop: {raw_n:,} messages x {RAW_REPEATS} repetitions, "
-                 f"~{sum(map(len, payloads)) / len(payloads):.0f} bytes each")
-            raw_runs = []
-            for run in range(RAW_REPEATS):
+            if not args.system_only:
+                keys, payloads = inbox_like_messages(codec, n)
+                fill(bootstrap, topics.raw_in, keys, payloads, raw_n * RAW_REPEATS)
+                step(f"raw loop: {raw_n:,} messages x {RAW_REPEATS} repetitions, "
+                     f"~{sum(map(len, payloads)) / len(payloads):.0f} bytes each")
+                for run in range(RAW_REPEATS):
+                    gc.collect()
+                    # Each repetition is a fresh consumer group: it reads from the start of the topic, which holds
+                    # RAW_REPEATS x raw_n messages, and stops after raw_n of them.
+                    raw_runs.append(raw_loop(bootstrap, topics, raw_n, consumer_settings, run, broker_pid))
+                    step(f"raw loop {run + 1}: {raw_runs[-1].rate:,.0f} msgs/s")
+                raw = sorted(raw_runs, key=lambda r: r.rate)[len(raw_runs) // 2]
                 gc.collect()
-                # Each repetition is a fresh consumer group: it reads from the start of the topic, which holds
-                # RAW_REPEATS x raw_n messages, and stops after raw_n of them.
-                raw_runs.append(raw_loop(bootstrap, topics, raw_n, consumer_settings, run, broker_pid))
-                step(f"raw loop {run + 1}: {raw_runs[-1].rate:,.0f} msgs/s")
-            raw = sorted(raw_runs, key=lambda r: r.rate)[len(raw_runs) // 2]
-            gc.collect()
-            alone = run_scheduler_alone(bootstrap, solo, tmp / "solo", keys, payloads, n, codec, broker_pid, step)
-            step(f"scheduler alone: {alone.rate:,.0f} inbox msgs/s, {1e6 * alone.cpu_seconds / alone.messages:,.0f} "
-                 f"CPU µs each")
-            del keys, payloads
-            gc.collect()
-            system = run_system(bootstrap, topics, tmp, n, args.warmup, broker_pid, codec, profile, step)
+                alone = run_scheduler_alone(bootstrap, solo, tmp / "solo", keys, payloads, n, codec, broker_pid, step)
+                step(f"scheduler alone: {alone.rate:,.0f} inbox msgs/s, "
+                     f"{1e6 * alone.cpu_seconds / alone.messages:,.0f} CPU µs each")
+                del keys, payloads
+                gc.collect()
+            system = run_system(bootstrap, topics, tmp, n, args.warmup, broker_pid, codec, profile, step,
+                                args.latency_ms, args.concurrency)
             step("replaying events for latencies")
-            events = analyse_events(bootstrap, layout.events)
+            events = analyse_events(bootstrap, layout.events, first_calls(system.arrivals))
         finally:
             if not args.keep_topics:
                 for error in delete_topics(bootstrap, topics.names):
@@ -834,13 +886,16 @@ def main(argv: list[str] | None = None) -> int:
         step("done")
     load_after = os.getloadavg()
 
-    ratio = system.inbox_per_s / raw.rate
     figures: dict[str, Any] = {
         **run_facts("workflow", started, bootstrap, broker, prefix, load_before, load_after),
         "partitions": layout.partitions,
         "tasks": n,
         "warmup_tasks": args.warmup,
+        "latency_ms": args.latency_ms,
+        "agent_concurrency": args.concurrency,
         "outcomes": system.outcomes,
+        "tasks_completed": system.outcomes.get("TaskCompleted", 0),
+        "tasks_failed": n - system.outcomes.get("TaskCompleted", 0),
         "submit_seconds": round(system.submit_seconds, 3),
         "elapsed_seconds": round(system.elapsed, 3),
         "tasks_per_s": round(system.tasks_per_s, 1),
@@ -851,29 +906,6 @@ def main(argv: list[str] | None = None) -> int:
         "scheduler_inbox_msgs_per_s": round(system.inbox_per_s, 1),
         "inbox_messages_in_window": system.inbox_messages,
         "inbox_actual_msgs_per_s": round(system.inbox_messages / system.elapsed, 1),
-        "inbox_actual_vs_raw_loop": round(system.inbox_messages / system.elapsed / raw.rate, 4),
-        "raw_loop_messages": raw.messages,
-        "raw_loop_msgs_per_s": round(raw.rate, 1),
-        "raw_loop_repeats_msgs_per_s": [round(r.rate, 1) for r in raw_runs],
-        "raw_loop_transactions": raw.transactions,
-        "raw_loop_commit_seconds": round(raw.commit_seconds, 3),
-        "raw_loop_seconds": round(raw.seconds, 3),
-        "raw_loop_cpu_us_per_msg": round(1e6 * raw.cpu_seconds / raw.messages, 2),
-        "raw_loop_broker_cpu_us_per_msg": (None if raw.broker_cpu_seconds is None
-                                           else round(1e6 * raw.broker_cpu_seconds / raw.messages, 1)),
-        "inbox_vs_raw_loop": round(ratio, 4),
-        "scheduler_alone_messages": alone.messages,
-        "scheduler_alone_seconds": round(alone.seconds, 3),
-        "scheduler_alone_msgs_per_s": round(alone.rate, 1),
-        "scheduler_alone_cpu_us_per_msg": round(1e6 * alone.cpu_seconds / alone.messages, 1),
-        "scheduler_alone_main_thread_cpu_us_per_msg": round(1e6 * alone.main_thread_cpu_seconds / alone.messages, 1),
-        "scheduler_alone_cores": round(alone.cpu_seconds / alone.seconds, 3),
-        "scheduler_alone_broker_cpu_us_per_msg": (None if alone.broker_cpu_seconds is None
-                                                  else round(1e6 * alone.broker_cpu_seconds / alone.messages, 1)),
-        "scheduler_alone_vs_raw_loop": round(alone.rate / raw.rate, 4),
-        "scheduler_alone_outcomes": alone.outcomes,
-        "ratio_target": RATIO_TARGET,
-        "ratio_target_met": ratio >= RATIO_TARGET,
         **events,
         "store_caught_up_after_s": system.store_lag_s,
         "consumer_lag": system.lag,
@@ -882,19 +914,48 @@ def main(argv: list[str] | None = None) -> int:
                                     if k not in ("broker", "benchmark")},
         "scheduler_cpu_us_per_inbox_msg": (round(1e6 * system.cpu["scheduler"] / system.inbox_messages, 1)
                                            if "scheduler" in system.cpu and system.inbox_messages else None),
+        "cpu_us_per_task": {k: round(1e6 * v / n, 1) for k, v in system.cpu.items()},
         "exit_codes": system.exit_codes,
-        "scheduler_alone_exit_code": alone.exit_code,
         "scheduler_profiled": profile is not None,
         "logs": system.logs,
         "client_log": str(log_path),
     }
-    console.print(results_table(system, raw, raw_runs, alone, events, layout.partitions))
+    if raw is not None and alone is not None:
+        ratio = system.inbox_per_s / raw.rate
+        figures |= {
+            "inbox_actual_vs_raw_loop": round(system.inbox_messages / system.elapsed / raw.rate, 4),
+            "raw_loop_messages": raw.messages,
+            "raw_loop_msgs_per_s": round(raw.rate, 1),
+            "raw_loop_repeats_msgs_per_s": [round(r.rate, 1) for r in raw_runs],
+            "raw_loop_transactions": raw.transactions,
+            "raw_loop_commit_seconds": round(raw.commit_seconds, 3),
+            "raw_loop_seconds": round(raw.seconds, 3),
+            "raw_loop_cpu_us_per_msg": round(1e6 * raw.cpu_seconds / raw.messages, 2),
+            "raw_loop_broker_cpu_us_per_msg": (None if raw.broker_cpu_seconds is None
+                                               else round(1e6 * raw.broker_cpu_seconds / raw.messages, 1)),
+            "inbox_vs_raw_loop": round(ratio, 4),
+            "scheduler_alone_messages": alone.messages,
+            "scheduler_alone_seconds": round(alone.seconds, 3),
+            "scheduler_alone_msgs_per_s": round(alone.rate, 1),
+            "scheduler_alone_cpu_us_per_msg": round(1e6 * alone.cpu_seconds / alone.messages, 1),
+            "scheduler_alone_main_thread_cpu_us_per_msg": round(
+                1e6 * alone.main_thread_cpu_seconds / alone.messages, 1),
+            "scheduler_alone_cores": round(alone.cpu_seconds / alone.seconds, 3),
+            "scheduler_alone_broker_cpu_us_per_msg": (None if alone.broker_cpu_seconds is None
+                                                      else round(1e6 * alone.broker_cpu_seconds / alone.messages, 1)),
+            "scheduler_alone_vs_raw_loop": round(alone.rate / raw.rate, 4),
+            "scheduler_alone_outcomes": alone.outcomes,
+            "ratio_target": RATIO_TARGET,
+            "ratio_target_met": ratio >= RATIO_TARGET,
+            "scheduler_alone_exit_code": alone.exit_code,
+        }
+    console.print(results_table(system, raw, raw_runs, alone, events, layout.partitions, args.latency_ms))
     console.print(cpu_table(system))
     console.print(f"broker {bootstrap} ({broker}); {started:%Y-%m-%d %H:%M} UTC; {os.cpu_count()} CPUs; "
                   f"Python {platform.python_version()}; 1-minute load average {load_before[0]:.2f} before, "
                   f"{load_after[0]:.2f} after; exit codes: "
                   + ", ".join(f"{k} {v}" for k, v in system.exit_codes.items())
-                  + f", scheduler (alone) {alone.exit_code}"
+                  + ("" if alone is None else f", scheduler (alone) {alone.exit_code}")
                   + f"; service logs: {system.logs}; client logs: {log_path}", highlight=False)
     if profile is not None:
         if profile.exists():
@@ -906,7 +967,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sys.stdout.flush()
     sys.stdout.write(orjson.dumps(figures).decode() + "\n")
-    return 0 if alone.exit_code == 0 and all(code == 0 for code in system.exit_codes.values()) else 1
+    return 0 if (alone is None or alone.exit_code == 0) and all(code == 0 for code in system.exit_codes.values()) else 1
 
 
 if __name__ == "__main__":

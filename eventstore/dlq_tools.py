@@ -24,9 +24,9 @@ from typing import Any
 import orjson
 from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 from confluent_kafka import Message as KafkaMessage
-from rich.console import Console
 from rich.table import Table
 
+from eventstore.console import command_console
 from eventstore.dlq import HEADER_PREFIX, read_dlq_headers
 from eventstore.errors import LogReadError, StepstreamError
 from eventstore.kafka_config import connection_config, producer_config
@@ -289,7 +289,7 @@ class DeadLetters:
 
 def _topic_and_bootstrap() -> tuple[str, str]:
     settings = KafkaSettings()
-    return settings.resolved_bootstrap(), TopicLayout.from_settings(settings).dlq
+    return settings.reachable_bootstrap(), TopicLayout.from_settings(settings).dlq
 
 
 def _print_json(payload: Any) -> None:
@@ -315,7 +315,7 @@ def list_command(*, limit: int | None, as_json: bool) -> int:
         table.add_row(row["entry"], row["dead_at"], where, row["consumer_group"] or "", row["error_kind"] or "",
                       row["error_class"] or "", (row["reason"] or "")[:120],
                       ", ".join(r["to"] for r in entry.replays) or "no")
-    Console().print(table)
+    command_console().print(table)
     return 0
 
 
@@ -327,7 +327,7 @@ def show_command(*, entry: str, as_json: bool) -> int:
     if as_json:
         _print_json(detail)
         return 0
-    console = Console()
+    console = command_console()
     for name in ("entry", "key", "dead_at", "origin", "consumer_group", "error_kind", "error_class", "reason", "size"):
         console.print(f"[bold]{name}[/bold]: {detail[name]}", highlight=False)
     headers = Table(title="headers")
@@ -348,7 +348,7 @@ def replay_command(*, entries: list[str], force: bool, dry_run: bool, as_json: b
     if as_json:
         _print_json(outcomes)
         return 0
-    console = Console()
+    console = command_console()
     for outcome in outcomes:
         if outcome["replayed_to"]:
             console.print(f"replayed {outcome['entry']} -> {outcome['replayed_to']}", highlight=False)

@@ -24,6 +24,12 @@ class InfrastructureError(StepstreamError):
     retryable = True
 
 
+class KafkaUnreachable(InfrastructureError):
+    """No Kafka cluster answered where the settings point (or none is configured and no local broker runs);
+    the message says where it looked. One-shot commands report it in one line instead of waiting on
+    librdkafka's endless reconnects."""
+
+
 class PoisonMessageError(StepstreamError):
     """The message itself is wrong (undecodable, schema-invalid, contradictory): DLQ it and move on."""
 

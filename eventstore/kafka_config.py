@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from eventstore.errors import StepstreamError
+from eventstore.errors import KafkaUnreachable, StepstreamError
 from eventstore.settings import ConsumerSettings, KafkaSecuritySettings
 
 
@@ -29,6 +29,29 @@ def connection_config(bootstrap: str, security: KafkaSecuritySettings | None = N
                 + str(error["msg"]).removeprefix("Value error, ") for error in exc.errors())
             raise KafkaSecurityError(f"Kafka security settings: {problems}") from None
     return {"bootstrap.servers": bootstrap, **security.client_config()}
+
+
+def check_reachable(bootstrap: str, timeout_s: float, where: str) -> None:
+    """Raise KafkaUnreachable unless the cluster at ``bootstrap`` answers a metadata request in time.
+
+    The probe logs nothing (librdkafka would print a line per failed connection attempt); its one error
+    says where the address came from (``where``), so a wrong setting is found at once.
+    """
+    from confluent_kafka import KafkaException
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({**connection_config(bootstrap), "log_level": 0})
+    try:
+        admin.list_topics(timeout=timeout_s)
+    except KafkaException as exc:
+        raise KafkaUnreachable(f"no Kafka cluster answered at {bootstrap} ({where}) within {timeout_s:g}s: "
+                               f"{kafka_reason(exc)}") from None
+
+
+def kafka_reason(exc: Exception) -> str:
+    """The librdkafka error's own words (a KafkaException carries a KafkaError), else the exception's."""
+    error: Any = exc.args[0] if exc.args else None
+    return str(error.str()) if hasattr(error, "str") else str(exc)
 
 
 def producer_config(bootstrap: str, **extra: Any) -> dict[str, Any]:

@@ -134,6 +134,7 @@ class ConsumerRuntime:
         # Next offset to process per partition, across batches: what the lag is measured from.
         self._processed: dict[tuple[str, int], int] = {}
         self._in_transaction = False
+        self._retrying = False
         self._last_lag_update = 0.0
         self._metrics: dict[str, tuple[Counter, Histogram]] = {}
         overrides = dict(consumer_overrides or {})
@@ -161,13 +162,31 @@ class ConsumerRuntime:
         shutdown.install()
 
     def run(self) -> None:
+        """Consume, handle, commit, until stopped.
+
+        A batch keeps growing while messages keep arriving, for up to ``batch_interval_ms`` or
+        ``batch_size`` messages, and is committed as soon as nothing more is waiting: a quiet consumer
+        commits each message at once, a busy one commits (under exactly-once: one transaction, with its
+        markers on every partition it wrote) a few times per ``batch_interval_ms`` instead of once per
+        poll -- Kafka Streams' ``commit.interval.ms`` idea, without its latency when idle.
+        """
         self._consumer.subscribe(self.topics, on_assign=self._assigned_cb, on_revoke=self._revoked_cb,
                                  on_lost=self._revoked_cb)
+        interval_s = self.settings.batch_interval_ms / 1000
         try:
+            opened, handled = 0.0, 0
             while not self._stop.is_set():
-                batch = consume_available(self._consumer, self.settings.batch_size, self.settings.poll_timeout_s)
+                growing = bool(self._done)
+                room = self.settings.batch_size - handled if growing else self.settings.batch_size
+                batch = consume_available(self._consumer, room, 0 if growing else self.settings.poll_timeout_s)
                 if batch:
+                    if not self._done:
+                        opened, handled = time.monotonic(), 0
+                    handled += len(batch)
                     self._process_batch(batch)
+                if self._done and (not batch or handled >= self.settings.batch_size
+                                   or time.monotonic() - opened >= interval_s):
+                    self._finish_batch()
                 self._maybe_update_lag()
             self._finish_batch()
             if not self.exactly_once:
@@ -180,6 +199,7 @@ class ConsumerRuntime:
     # -- batches ------------------------------------------------------------------------------
 
     def _process_batch(self, batch: list[KafkaMessage]) -> None:
+        """Handle ``batch`` into the open batch (and transaction); ``run`` decides when it is committed."""
         try:
             for raw in batch:
                 if self._stop.is_set():
@@ -196,32 +216,47 @@ class ConsumerRuntime:
                 self._process_one(raw)
                 self._done[where] = self._processed[where] = raw.offset() + 1
                 self._maybe_update_lag()
-            self._finish_batch()
         except _Revoked:
             self._done.clear()
             if self._in_transaction:
                 self._abort()
 
     def _process_one(self, raw: KafkaMessage) -> None:
-        topic = raw.topic()
         started = time.perf_counter()
+        record = self._decode(raw)
+        if record is None:
+            return
+        self._handle(raw, record, self._wait_paused)
+        processed, seconds = self._topic_metrics(record.topic)
+        processed.inc()
+        seconds.observe(time.perf_counter() - started)
+
+    def _decode(self, raw: KafkaMessage) -> Record | None:
+        """The decoded record, or None when it could not be decoded (then it is already dead-lettered)."""
         try:
-            record = Record(topic, raw.partition(), raw.offset(), _text(raw.key()), self.codec.decode(raw.value()),
-                            list(raw.headers() or []))
+            return Record(raw.topic(), raw.partition(), raw.offset(), _text(raw.key()), self.codec.decode(raw.value()),
+                          list(raw.headers() or []))
         except DecodeError as exc:
             self._dead_letter(raw, exc.reason, type(exc).__name__, exc.kind)
-            return
+            return None
+
+    def _handle(self, raw: KafkaMessage, record: Record, wait: Callable[[float, tuple[str, int]], None]) -> None:
+        """Run the handler to an outcome: done, dead-lettered (poison), or retried after ``wait`` (infrastructure).
+
+        ``wait`` sleeps out a back-off; it raises ``_Revoked`` to abandon the record (partition lost, drain).
+        """
+        topic = record.topic
         attempt = 0
         while True:
             try:
                 self.handler(record, self.output)
-                break
+                return
             except Exception as exc:
                 if not is_retryable(exc):
                     reason = exc.reason if isinstance(exc, PoisonMessageError) else f"handler failed: {exc!r}"
                     kind = "contradictory" if isinstance(exc, PoisonMessageError) else "handler_error"
                     self._dead_letter(raw, reason, type(exc).__name__, kind)
-                    break
+                    return
                 if self._stop.is_set():
                     raise _Revoked() from exc  # draining: leave it uncommitted for the next owner
                 attempt += 1
@@ -230,10 +265,7 @@ class ConsumerRuntime:
                 HANDLER_RETRIES.labels(self.group_id, topic).inc()
                 log.warning("infrastructure fault; retrying", topic=topic, partition=raw.partition(),
                             offset=raw.offset(), attempt=attempt, delay_s=round(delay, 3), error=repr(exc))
-                self._wait_paused(delay, (topic, raw.partition()))
-        processed, seconds = self._topic_metrics(topic)
-        processed.inc()
-        seconds.observe(time.perf_counter() - started)
+                wait(delay, (topic, raw.partition()))
 
     def _topic_metrics(self, topic: str) -> tuple[Counter, Histogram]:
         """Label lookups cost more than the increments: resolve them once per topic."""
@@ -254,6 +286,7 @@ class ConsumerRuntime:
 
     def _wait_paused(self, delay_s: float, where: tuple[str, int]) -> None:
         """Sleep while staying in the group: pause fetching and keep polling, so rebalances are served."""
+        self._retrying = True
         assignment = self._consumer.assignment()
         self._consumer.pause(assignment)
         # Anything consume() still hands out while paused was fetched before the pause: rewind to it
@@ -269,6 +302,7 @@ class ConsumerRuntime:
                 if where not in self._assigned:
                     raise _Revoked()
         finally:
+            self._retrying = False
             self._consumer.resume(self._consumer.assignment())
             for (topic, partition), offset in rewind.items():
                 if (topic, partition) in self._assigned:
@@ -349,11 +383,10 @@ class ConsumerRuntime:
                 consumer.assign(positioned)
 
     def _revoked_cb(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        """Commit what is done before the partitions move (callbacks run between batches)."""
+        """Commit what is done before the partitions move (callbacks run inside ``consume``: between batches,
+        while a batch grows, or during a retry's back-off)."""
         log.info("partitions revoked", group=self.group_id, partitions=_names(partitions))
-        if not self.exactly_once:
-            self._finish_batch()
-            self._commit_sync()
+        self._commit_before_revoke(partitions)
         for tp in partitions:
             self._assigned.discard((tp.topic, tp.partition))
             self._processed.pop((tp.topic, tp.partition), None)
@@ -361,6 +394,18 @@ class ConsumerRuntime:
                 CONSUMER_LAG.remove(self.group_id, tp.topic, str(tp.partition))
         if self._on_revoke is not None:
             self._on_revoke(partitions)
+
+    def _commit_before_revoke(self, _partitions: list[TopicPartition]) -> None:
+        """The work done so far is committed while the partitions are still ours.
+
+        Except in a transaction in the middle of a record's retry (``_wait_paused``): it may hold part of that
+        record's output, so it is aborted instead (the retry raises ``_Revoked``).
+        """
+        if self.exactly_once and self._retrying:
+            return
+        self._finish_batch()
+        if not self.exactly_once:
+            self._commit_sync()
 
     # -- lag ----------------------------------------------------------------------------------
 

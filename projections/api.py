@@ -52,8 +52,9 @@ Limit = Annotated[int, Query(ge=1, le=500, description="at most this many items"
 
 
 def invalid(parameter: str, message: str, value: Any, where: str = "query") -> RequestValidationError:
-    """A 422 shaped like FastAPI's own, naming the parameter (or body field) at fault."""
-    return RequestValidationError([{"type": "value_error", "loc": (where, parameter), "msg": message,
+    """A 422 shaped like FastAPI's own, naming the parameter (or body field, ``input.amount`` for a nested
+    one) at fault."""
+    return RequestValidationError([{"type": "value_error", "loc": (where, *parameter.split(".")), "msg": message,
                                     "input": value}])
 
 

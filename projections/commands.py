@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 import structlog
-from rich.console import Console
 
-from eventstore.errors import StepstreamError
+from eventstore.console import command_console
+from eventstore.errors import KafkaUnreachable, StepstreamError
 from eventstore.logs import configure_logging
 from eventstore.settings import ConsumerSettings, KafkaSettings, ObservabilitySettings
 from eventstore.shutdown import GracefulShutdown
@@ -70,7 +70,7 @@ def _emit(as_json: bool, payload: dict[str, Any], human: str) -> None:
     if as_json:
         sys.stdout.write(orjson.dumps(payload).decode() + "\n")
     else:
-        Console().print(human, highlight=False)
+        command_console().print(human)
 
 
 def rebuild(*, into: str | None, until_offset: str | None, until_time_text: str | None, batch_size: int,
@@ -88,13 +88,15 @@ def rebuild(*, into: str | None, until_offset: str | None, until_time_text: str 
     if (until_offset or until_time_text) and target is None:
         raise UsageError("--until-offset/--until-time rebuild the log as it was then into a store of its own: "
                          "name it with --into STORE (the live store is never rolled back)")
-    bootstrap = kafka.resolved_bootstrap()
+    offsets = parse_until_offset(until_offset) if until_offset else None
+    moment = parse_time("--until-time", until_time_text) if until_time_text else None
+    bootstrap = kafka.reachable_bootstrap()  # once the options are known good: a usage error needs no cluster
     until: Offsets | None = None
-    if until_offset:
-        until = {layout.events: parse_until_offset(until_offset)}
-    elif until_time_text:
-        until = until_time(bootstrap, [layout.events, layout.dlq], parse_time("--until-time", until_time_text))
-    with progress_bar(Console(stderr=True) if progress else None) as bar:
+    if offsets is not None:
+        until = {layout.events: offsets}
+    elif moment is not None:
+        until = until_time(bootstrap, [layout.events, layout.dlq], moment)
+    with progress_bar(command_console(stderr=True) if progress else None) as bar:
         replayer = Replayer(bootstrap, sources(layout), batch_size=batch_size, progress=bar)
         store = (target or live_spec).open()
         try:
@@ -115,25 +117,26 @@ def verify(*, against: str | None, batch_size: int, as_json: bool, progress: boo
     kafka = KafkaSettings()
     layout = TopicLayout.from_settings(kafka)
     other_spec = _spec("--against", against) if against else None
-    console = Console(stderr=True) if progress else None
+    bootstrap = kafka.reachable_bootstrap() if other_spec is None else None  # before any progress bar shows
+    console = command_console(stderr=True) if progress else None
     with progress_bar(console) as bar:
         live = StoreSettings().open(kafka.home)
         try:
-            if other_spec is not None:
+            if bootstrap is not None:
+                replayer = Replayer(bootstrap, sources(layout), batch_size=batch_size, progress=bar)
+                comparison = verify_against_replay(live, replayer)
+            elif other_spec is not None:
                 other = other_spec.open()
                 try:
                     comparison = verify_stores(live, other, bar)
                 finally:
                     other.close()
-            else:
-                replayer = Replayer(kafka.resolved_bootstrap(), sources(layout), batch_size=batch_size, progress=bar)
-                comparison = verify_against_replay(live, replayer)
         finally:
             live.close()
     if as_json:
         _emit(True, comparison.as_json(), "")
     else:
-        comparison.render(Console())
+        comparison.render(command_console())
     return 0 if comparison.equal else 1
 
 
@@ -168,7 +171,7 @@ def serve_api(*, host: str | None, port: int | None) -> int:
     layout = TopicLayout.from_settings(kafka)
     try:
         lag: LagReader | None = LagReader(kafka.resolved_bootstrap(), layout.prefix)
-    except RuntimeError as exc:  # no cluster configured and no local broker: serve the store anyway
+    except KafkaUnreachable as exc:  # no cluster configured and no local broker: serve the store anyway
         print(f"stepstream: lag is not measured, writes are off: {exc}", file=sys.stderr)
         lag = None
     store = StoreSettings().open(kafka.home)

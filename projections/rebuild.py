@@ -31,6 +31,7 @@ from rich.progress import BarColumn, Progress, ProgressColumn, Task, TaskID, Tex
 from rich.table import Table
 from rich.text import Text
 
+from eventstore.console import command_console
 from eventstore.dlq_tools import DeadLetter, offsets_at
 from eventstore.replay import LogRange
 from eventstore.topics import TopicLayout
@@ -74,8 +75,12 @@ def sources(layout: TopicLayout, codec: Codec | None = None) -> list[Source]:
 
 
 class _Rate(ProgressColumn):
+    """The average since the start, as the summary line computes it: rich's own speed estimate needs
+    several updates and showed 0 for a replay done in a batch or two."""
+
     def render(self, task: Task) -> Text:
-        return Text(f"{task.speed or 0:,.0f} records/s", style="progress.data.speed")
+        rate = task.completed / task.elapsed if task.elapsed else 0.0
+        return Text(f"{rate:,.0f} records/s", style="progress.data.speed")
 
 
 class _Remaining(ProgressColumn):
@@ -87,7 +92,7 @@ def progress_bar(console: Console | None) -> Progress:
     """Records done of the total, records/s, remaining and ETA; ``None`` shows nothing (scripts, tests)."""
     return Progress(TextColumn("{task.description}"), BarColumn(),
                     TextColumn("{task.completed:,.0f}/{task.total:,.0f}"), _Rate(), _Remaining(),
-                    TimeRemainingColumn(), console=console or Console(stderr=True), disable=console is None)
+                    TimeRemainingColumn(), console=console or command_console(stderr=True), disable=console is None)
 
 
 @dataclass

@@ -114,7 +114,7 @@ def project(db: Executor, event: Event) -> None:
                        (event.task_id,))
         case TaskFailed():
             db.execute("update tasks set status = 'error', error = ? where task_id = ?",
-                       (f"{event.step}: {event.reason}", event.task_id))
+                       (_headline(event.step, event.reason), event.task_id))
         case OperatorAlert():
             db.execute("insert into alerts(task_id, step, reason, occurred_at) values (?, ?, ?, ?)",
                        (event.task_id, event.step, event.reason, at))
@@ -124,8 +124,7 @@ def project(db: Executor, event: Event) -> None:
             db.execute("update tasks set status = 'running', error = null where task_id = ?", (event.task_id,))
         case CompensationStarted():
             # An operator's compensation of a task in error keeps the error that put it there.
-            error = None if event.trigger == "operator" else (
-                f"{event.step}: {event.reason}" if event.step else event.reason)
+            error = None if event.trigger == "operator" else _headline(event.step, event.reason)
             db.execute("update tasks set status = 'compensating', current_step = null, error = coalesce(?, error) "
                        "where task_id = ?", (error, event.task_id))
         case StepCompensationSkipped():
@@ -154,13 +153,32 @@ def project(db: Executor, event: Event) -> None:
         case CompensationRetried():
             db.execute("update steps set compensation_failure_count = 0, compensation_calls_used = 0, updated_at = ? "
                        "where task_id = ? and step = ?", (at, event.task_id, event.step))
-            db.execute("update tasks set status = 'compensating' where task_id = ?", (event.task_id,))
+            # The failed compensation is being retried: the headline goes back to why the task is undone.
+            db.execute("update tasks set status = 'compensating', error = ? where task_id = ?",
+                       (_compensation_cause(db, event.task_id), event.task_id))
         case TaskCompensated():
             db.execute("update tasks set status = 'compensated', current_step = null where task_id = ?",
                        (event.task_id,))
         case TaskCompensationFailed():
             db.execute("update tasks set status = 'compensation_failed', current_step = null, error = ? "
-                       "where task_id = ?", (f"{event.step}: {event.reason}", event.task_id))
+                       "where task_id = ?", (_headline(event.step, event.reason), event.task_id))
         case MessageIgnored() | OperatorCommandRefused():
             pass
     db.execute(task_update, (event.sequence, at, event.task_id))
+
+
+def _headline(step: str | None, reason: str) -> str:
+    """A task's ``error``: the reason, after the step it concerns."""
+    return f"{step}: {reason}" if step else reason
+
+
+def _compensation_cause(db: Executor, task_id: str) -> str | None:
+    """Why the task is being compensated, from its history: the reason its compensation started with, or
+    (an operator's compensation of a task in error) the failure that put it in error."""
+    rows = db.execute("select event_type, body from task_history where task_id = ? and event_type in "
+                      "('CompensationStarted', 'TaskFailed') order by sequence desc", (task_id,)).fetchall()
+    for event_type, body in rows:
+        data = orjson.loads(body)
+        if event_type == "TaskFailed" or data.get("trigger") != "operator":
+            return _headline(data.get("step"), data["reason"])
+    return None

@@ -6,7 +6,21 @@ what completed (release the reservation, refund the charge) in reverse order.
 
 from __future__ import annotations
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from scheduler.workflow import Compensation, Step, Workflow, WorkflowRegistry
+
+
+class OrderInput(BaseModel):
+    """An order as the order service takes it. ``qty`` 0 is well-formed: the service refuses it for good at
+    the first step (the demo's invalid order), which is a business answer, not a malformed submission."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    order_id: str = Field(min_length=1)
+    sku: str = Field(min_length=1)
+    qty: int = Field(ge=0)
+    amount: float = Field(ge=0)
 
 
 def _order_steps(*, compensated: bool) -> tuple[Step, ...]:
@@ -23,8 +37,9 @@ def _order_steps(*, compensated: bool) -> tuple[Step, ...]:
     )
 
 
-ORDERS_V1 = Workflow(name="orders", version=1, steps=_order_steps(compensated=False), failure_threshold=3)
+ORDERS_V1 = Workflow(name="orders", version=1, steps=_order_steps(compensated=False), failure_threshold=3,
+                     input_model=OrderInput)
 ORDERS_V2 = Workflow(name="orders", version=2, steps=_order_steps(compensated=True), failure_threshold=3,
-                     escalation="compensate")
+                     escalation="compensate", input_model=OrderInput)
 
 REGISTRY = WorkflowRegistry.of([ORDERS_V1, ORDERS_V2])

@@ -10,6 +10,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from pydantic import BaseModel, ValidationError
+
 Escalation = Literal["error", "compensate"]
 
 
@@ -86,13 +88,17 @@ class Step:
 
 @dataclass(frozen=True)
 class Workflow:
-    """``failure_threshold``: failed attempts of one step (timeouts included) before escalation."""
+    """``failure_threshold``: failed attempts of one step (timeouts included) before escalation.
+    ``input_model``: the pydantic model a task's input must satisfy, checked on every way in (client, CLI,
+    HTTP, outbox) before anything is produced, so a missing or mistyped field is refused naming it instead
+    of running the task with it; None accepts any JSON object."""
 
     name: str
     version: int
     steps: tuple[Step, ...]
     failure_threshold: int = 3
     escalation: Escalation = "error"
+    input_model: type[BaseModel] | None = None
 
     def __post_init__(self) -> None:
         if self.version < 1:
@@ -104,6 +110,25 @@ class Workflow:
             raise ValueError(f"workflow {self.name}: step names must be unique")
         if self.failure_threshold < 1:
             raise ValueError(f"workflow {self.name}: failure_threshold must be at least 1")
+
+    def input_errors(self, data: Mapping[str, Any]) -> list[tuple[str, str]]:
+        """(field path, message) of each way ``data`` fails the input model; empty when it satisfies it."""
+        if self.input_model is None:
+            return []
+        try:
+            self.input_model.model_validate(data)
+        except ValidationError as exc:
+            return [(".".join(str(part) for part in error["loc"]), error["msg"]) for error in exc.errors()]
+        return []
+
+    def describe_input(self) -> str:
+        """The input fields for people (``--help``, OpenAPI): name, JSON type, and whether required."""
+        if self.input_model is None:
+            return "any JSON object"
+        schema = self.input_model.model_json_schema()
+        required = set(schema.get("required", []))
+        return ", ".join(f"{name} ({spec.get('type', 'any')}{', required' if name in required else ''})"
+                         for name, spec in schema.get("properties", {}).items())
 
     def step(self, name: str) -> Step:
         for step in self.steps:
@@ -151,6 +176,11 @@ class WorkflowRegistry:
             return versions[version]
         except KeyError:
             raise WorkflowNotFoundError(f"workflow {name!r} has no version {version}") from None
+
+    def describe_inputs(self) -> list[str]:
+        """One line per workflow version: what its input must hold."""
+        return [f"{w.name} v{w.version}: {w.describe_input()}"
+                for w in sorted(self.workflows(), key=lambda w: (w.name, w.version))]
 
     def workflows(self) -> Iterator[Workflow]:
         for versions in self._by_name.values():

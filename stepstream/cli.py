@@ -9,11 +9,16 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
+from confluent_kafka import KafkaException
+
 from eventstore import dlq_tools
-from eventstore.errors import StepstreamError
+from eventstore.errors import KafkaUnreachable, StepstreamError
+from eventstore.kafka_config import kafka_reason
 from eventstore.settings import KafkaSettings
 from projections import commands as projection_commands
 from stepstream import operator, outbox, submit_cli
+
+EXIT_UNAVAILABLE = 69  # sysexits' EX_UNAVAILABLE: the Kafka cluster did not answer
 
 
 def _broker(args: argparse.Namespace) -> int:
@@ -44,7 +49,7 @@ def _topics(_args: argparse.Namespace) -> int:
 
     settings = KafkaSettings()
     layout = TopicLayout.from_settings(settings)
-    created = ensure_topics(AdminClient(connection_config(settings.resolved_bootstrap())),
+    created = ensure_topics(AdminClient(connection_config(settings.reachable_bootstrap())),
                             layout.core_specs(), settings.replication_factor)
     print(f"created: {', '.join(created)}" if created else "all topics exist")
     return 0
@@ -116,12 +121,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    if not (sys.argv[1:] if argv is None else argv):  # no command: the list of them, not argparse's one-liner
+        parser.print_help(sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)
+    except KafkaUnreachable as exc:
+        print(f"stepstream: {exc}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
     except StepstreamError as exc:
         print(f"stepstream: {exc}", file=sys.stderr)
         return 1
+    except KafkaException as exc:  # a broker lost mid-command: its reason, not a librdkafka traceback
+        print(f"stepstream: Kafka: {kafka_reason(exc)}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
     except KeyboardInterrupt:
         return 130

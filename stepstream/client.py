@@ -1,8 +1,13 @@
 """The Python client: submit tasks, read their status, wait for them, follow a reply topic.
 
 A submission is validated before anything is produced, so a bad input raises an error naming the field
-and writes nothing. Task ids are the idempotency key of the whole system: submitting the same task
-again (a retry after a timeout, a crash between a database write and the submit) runs it once.
+and writes nothing: that includes a workflow or version the scheduler does not run (checked against the
+registry ``STEPSTREAM_SCHEDULER_WORKFLOWS`` names, as the scheduler and the HTTP API do), which the
+scheduler would otherwise dead-letter while the submitter waited for an answer that never comes, and an
+input its workflow's input model refuses.
+
+Task ids are the idempotency key of the whole system: submitting the same task again (a retry after a
+timeout, a crash between a database write and the submit) runs it once.
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ from eventstore.settings import KafkaSettings
 from eventstore.topics import TopicLayout, TopicSpec, ensure_topics
 from projections.settings import StoreSettings
 from projections.store import SqliteStore, Store
+from scheduler.decider import input_digest
+from scheduler.settings import SchedulerSettings
+from scheduler.workflow import WorkflowNotFoundError, WorkflowRegistry
 from schemas.codec import default_codec
 from schemas.errors import DecodeError
 from schemas.messages import OperatorAction, OperatorCommand, StatusUpdate, SubmitTask, new_id
@@ -45,6 +53,11 @@ class SubmissionRejected(StepstreamError):
     """Admission control refused the task (the system is at its in-flight bound). Retry later."""
 
 
+class SubmissionContradicts(StepstreamError):
+    """The task id exists with other data (workflow, version or input): the submission is refused and the
+    existing task is untouched. Submit other data under a new task id."""
+
+
 class AccessDenied(StepstreamError, PermissionError):
     """The broker's ACLs do not let this principal read the reply topic (or use its consumer group)."""
 
@@ -60,10 +73,11 @@ class Client:
     """One producer and, if a submitter name is given, that submitter's private reply topic."""
 
     def __init__(self, *, kafka: KafkaSettings | None = None, submitter: str | None = None,
-                 store_path: Path | None = None) -> None:
+                 store_path: Path | None = None, registry: WorkflowRegistry | None = None) -> None:
         self.kafka = kafka or KafkaSettings()
+        self.registry = registry or SchedulerSettings().load_registry()
         self.layout = TopicLayout.from_settings(self.kafka)
-        self.bootstrap = self.kafka.resolved_bootstrap()
+        self.bootstrap = self.kafka.reachable_bootstrap()
         self.submitter = submitter
         self.store_path = store_path
         self._producer = EventProducer(self.bootstrap)
@@ -71,6 +85,7 @@ class Client:
         # Per task submitted here, the store's sequence of it at that moment: a rejection recorded before a
         # retry is not the answer to the retry (a rejected task submitted again asks for admission again).
         self._seen_at_submit: dict[str, int] = {}
+        self._message_ids: dict[str, str] = {}  # per task submitted here, the id of the last submission
         if submitter is not None:
             if not submitter.replace("-", "").replace("_", "").isalnum():
                 raise InvalidSubmission("submitter", "letters, digits, '-' and '_' only")
@@ -85,10 +100,16 @@ class Client:
 
     def submit(self, workflow: str, input: Any, *, version: int | None = None, task_id: str | None = None) -> str:
         """Produce a submission and wait until Kafka has it (acks=all). Returns the task id."""
+        check_submission(self.registry, workflow, version, input)
         command = build_submission(workflow, input, version=version, task_id=task_id, submitter=self.submitter,
                                    reply_topic=self.reply_topic if self.submitter else None)
         known = self.status(command.task_id) if task_id is not None else None
+        if known is not None and self._store is not None and \
+                not same_submission(self._store, known, workflow, version, command.input):
+            raise SubmissionContradicts(f"task {command.task_id!r} exists with other data ({known['workflow']} "
+                                        f"v{known['workflow_version']}, {known['status']}); nothing was submitted")
         self._seen_at_submit[command.task_id] = known["sequence"] if known else 0
+        self._message_ids[command.task_id] = command.message_id
         self._producer.send(self.layout.inbox, command)
         self._producer.flush()
         return command.task_id
@@ -118,10 +139,13 @@ class Client:
         return self._store.task(task_id)
 
     def wait(self, task_id: str, timeout_s: float = 60.0, poll_s: float = 0.2) -> dict[str, Any]:
-        """Until the task is terminal. Raises SubmissionRejected for a rejected task, TaskWaitTimeout on time."""
+        """Until the task is terminal. Raises SubmissionRejected for a rejected task, SubmissionContradicts when
+        the scheduler refused this client's submission as a contradiction, TaskWaitTimeout on time."""
         deadline = time.monotonic() + timeout_s
         while True:
             task = self.status(task_id)
+            if task is not None:
+                self._raise_if_contradicted(task_id)
             if task is not None and task["status"] == "rejected" and \
                     task["sequence"] <= self._seen_at_submit.get(task_id, -1):
                 task = None  # the rejection of an earlier submission: this one is not decided yet
@@ -133,6 +157,18 @@ class Client:
                 state = task["status"] if task else "not seen yet"
                 raise TaskWaitTimeout(f"task {task_id} not finished after {timeout_s}s ({state})")
             time.sleep(poll_s)
+
+    def _raise_if_contradicted(self, task_id: str) -> None:
+        """The scheduler's alert caused by this client's submission: the store did not know the task when it
+        was submitted (so ``submit`` could not refuse it), and its id turned out to hold other data."""
+        message_id = self._message_ids.get(task_id)
+        if message_id is None or self._store is None:
+            return
+        for event in self._store.history(task_id):
+            body = orjson.loads(event["body"])
+            if event["event_type"] == "OperatorAlert" and body.get("causation_id") == message_id:
+                raise SubmissionContradicts(f"task {task_id!r} was refused by the scheduler: {body.get('reason')}; "
+                                            "the existing task is untouched")
 
     def updates(self, timeout_s: float = 30.0, idle_s: float | None = None) -> Iterator[StatusUpdate]:
         """Follow this submitter's reply topic from the start; stops at the timeout or after ``idle_s`` quiet."""
@@ -175,6 +211,35 @@ class Client:
 
     def __exit__(self, *_exc: object) -> None:
         self.close()
+
+
+def check_submission(registry: WorkflowRegistry, workflow: str, version: int | None, input: Any) -> None:
+    """Raise InvalidSubmission naming ``workflow`` or ``version`` when ``registry`` does not run it, or the
+    first field of ``input`` its input model refuses (``input.amount``)."""
+    try:
+        found = registry.get(workflow, version)
+    except WorkflowNotFoundError as exc:
+        versions = sorted(w.version for w in registry.workflows() if w.name == workflow)
+        if versions:
+            raise InvalidSubmission("version", f"{exc} (it has {', '.join(map(str, versions))})") from None
+        names = sorted({w.name for w in registry.workflows()})
+        raise InvalidSubmission("workflow", f"{exc} (this deployment runs {', '.join(names) or 'none'})") from None
+    errors = found.input_errors(input) if isinstance(input, dict) else []
+    if errors:
+        where, message = errors[0]
+        raise InvalidSubmission(f"input.{where}" if where else "input", message)
+
+
+def same_submission(store: Store, existing: dict[str, Any], workflow: str, version: int | None,
+                    data: dict[str, Any]) -> bool:
+    """Whether a submission repeats the ``existing`` task (the store's row): what the scheduler's decider
+    compares, workflow, pinned version and input (by digest)."""
+    pinned = existing["workflow_version"] if version is None else version
+    if workflow != existing["workflow"] or pinned != existing["workflow_version"]:
+        return False
+    submitted = [orjson.loads(e["body"]).get("input_digest") for e in store.history(existing["task_id"])
+                 if e["event_type"] in ("TaskAccepted", "TaskRejected")]
+    return bool(submitted) and submitted[-1] == input_digest(workflow, pinned, data)
 
 
 def build_submission(workflow: str, input: Any, *, version: int | None = None, task_id: str | None = None,

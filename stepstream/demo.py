@@ -24,13 +24,15 @@ import orjson
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from agents.orders_client import OrdersAdmin
+from eventstore.console import command_console
 from eventstore.settings import KafkaSettings
 from projections.settings import StoreSettings
 from schemas.messages import SubmitTask
 from stepstream.client import Client
-from stepstream.up import wait_until_up
+from stepstream.up import refuse_if_up, wait_until_up
 
 TERMINAL = {"completed", "error", "rejected", "compensated", "compensation_failed"}
 
@@ -49,9 +51,10 @@ def _orders(run_id: str, count: int) -> list[SubmitTask]:
 
 
 def run_demo(tasks: int = 20, timeout_s: float = 180.0) -> int:
-    console = Console(width=max(Console().width, 140))
+    console = command_console()
     kafka = KafkaSettings()
     home = kafka.home.resolve()
+    refuse_if_up(home)  # attaching to it would run without its token, and switch its faults on
     log_path = home / "logs" / "up.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     console.print("starting the system (broker, order service, projector, scheduler, agents, supervisor)...")
@@ -61,7 +64,7 @@ def run_demo(tasks: int = 20, timeout_s: float = 180.0) -> int:
                               env={**os.environ, "PYTHONUNBUFFERED": "1",
                                    "STEPSTREAM_API_TOKENS": orjson.dumps({"demo": token}).decode()})
     try:
-        state = wait_until_up(home)
+        state = wait_until_up(home, up)
         return _run(console, kafka, home, state, tasks, timeout_s, token)
     finally:
         up.send_signal(signal.SIGTERM)
@@ -100,11 +103,11 @@ def _run(console: Console, kafka: KafkaSettings, home: Path, state: dict[str, ob
         console.print("faults on: 20% server errors, 10% throttling (429, Retry-After 1s), 20 ms latency; "
                       "shipping refuses 15% of orders for good (those are compensated: refund, release)")
         orders = _orders(uuid.uuid4().hex[:6], tasks)
+        started = time.monotonic()  # from the first submission: small batches end while the last is answered
         _submit(console, kafka, orders, api_url, token)
 
         store = StoreSettings().open(home)
         ids = [o.task_id for o in orders]
-        started = time.monotonic()
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                       TimeElapsedColumn(), console=console) as progress:
             bar = progress.add_task("tasks finished", total=len(ids))
@@ -139,8 +142,9 @@ def _run(console: Console, kafka: KafkaSettings, home: Path, state: dict[str, ob
 
 def _print_table(console: Console, ids: list[str], rows: dict[str, dict[str, Any] | None]) -> None:
     table = Table(title="how each order ended")
-    for column in ("task", "status", "attempts per step", "failures", "error"):
+    for column in ("task", "status", "attempts per step", "failures"):
         table.add_column(column)
+    table.add_column("error", overflow="fold")  # whole: the reason is at its end
     for task_id in ids:
         row = rows.get(task_id)
         if row is None:
@@ -149,5 +153,5 @@ def _print_table(console: Console, ids: list[str], rows: dict[str, dict[str, Any
         attempts = " ".join(f"{s['step']}:{s['attempt']}" for s in row.get("steps") or [])
         style = {"completed": "green", "compensated": "cyan", "error": "red"}.get(str(row["status"]), "yellow")
         table.add_row(task_id, f"[{style}]{row['status']}[/{style}]", attempts, str(row["failure_count"]),
-                      str(row["error"] or "")[:70])
+                      Text(str(row["error"] or "")))
     console.print(table)

@@ -13,7 +13,8 @@ the reason. With ``--wait`` this command reads ``events`` until that outcome app
   answer changes nothing);
 - ``retry-compensation [--step S]``: retry the failed compensation of a task in ``compensation_failed``.
 
-Exit codes: 0 sent (with ``--wait``: accepted), 3 no such task, 6 refused, 124 ``--wait`` timed out.
+Exit codes: 0 sent (with ``--wait``: accepted), 3 no such task (nothing is sent), 6 refused, 124 ``--wait``
+timed out.
 Nothing printed comes from step outputs, so values marked sensitive never reach a terminal.
 """
 
@@ -137,14 +138,17 @@ def _task(args: argparse.Namespace) -> int:
     command_id = args.command_id or new_id()
     report = {"task_id": args.task_id, "command_id": command_id, "action": args.action}
     with Client() as client:
-        watcher = TaskEvents(client.bootstrap, client.layout.events, args.task_id) if args.wait else None
-        history = watcher.read() if watcher is not None else []
-        if watcher is not None and not history:
-            _print(args.json, {**report, "outcome": "not_found"}, f"no task {args.task_id!r} in the event log")
+        watcher = TaskEvents(client.bootstrap, client.layout.events, args.task_id)
+        # The store answers at once for a task it has; the log has the last word (the store may trail it).
+        in_store = client.status(args.task_id) is not None
+        history = watcher.read() if args.wait or not in_store else []
+        if not in_store and not history:
+            _print(args.json, {**report, "outcome": "not_found"},
+                   f"no task {args.task_id!r} in the state store or the event log; nothing was sent")
             return EXIT_NOT_FOUND
         command = client.send_command(args.task_id, args.action, step=getattr(args, "step", None),
                                       command_id=command_id, operator=args.operator or _login())
-    if watcher is None:
+    if not args.wait:
         _print(args.json, {**report, "outcome": "sent"},
                f"sent {command.action} for task {command.task_id} as command {command.command_id}")
         return 0

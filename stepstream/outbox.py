@@ -47,8 +47,11 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from eventstore.errors import InfrastructureError, StepstreamError
 from eventstore.producer import EventProducer
 from projections.settings import StoreSettings, StoreSpec
+from scheduler.settings import SchedulerSettings
+from scheduler.workflow import WorkflowRegistry
 from schemas.codec import Codec, default_codec
 from schemas.messages import SubmitTask
+from stepstream.client import InvalidSubmission, check_submission
 
 log = structlog.get_logger("stepstream.outbox")
 
@@ -175,16 +178,25 @@ def _codec() -> Codec:
     return default_codec()
 
 
-def enqueue(conn: psycopg.Connection[Any], submission: SubmitTask, *, schema: str = DEFAULT_SCHEMA) -> int:
+def enqueue(conn: psycopg.Connection[Any], submission: SubmitTask, *, schema: str = DEFAULT_SCHEMA,
+            registry: WorkflowRegistry | None = None) -> int:
     """Add ``submission`` to the outbox on the application's connection, in its open transaction.
 
     Call it on the connection (and in the transaction) of the business write, so both commit or neither
     does. Refused on an autocommit connection outside ``conn.transaction()``: the row would commit alone.
     Returns the row id. Build the submission with ``stepstream.client.build_submission`` and a task id
-    derived from the business key, so a retried transaction submits the same task.
+    derived from the business key, so a retried transaction submits the same task. Its workflow, version
+    and input are checked against ``registry`` (default: the one ``STEPSTREAM_SCHEDULER_WORKFLOWS`` names)
+    as the client checks them: a bad one is refused here, in the application's transaction, rather than
+    dead-lettered after it committed.
     """
     if not isinstance(submission, SubmitTask):
         raise InvalidOutboxInput("submission", f"must be a SubmitTask, not {type(submission).__name__}")
+    try:
+        check_submission(registry or SchedulerSettings().load_registry(), submission.workflow,
+                         submission.workflow_version, submission.input)
+    except InvalidSubmission as exc:
+        raise InvalidOutboxInput(exc.field, exc.reason) from None
     table = _table(schema)
     if conn.autocommit and conn.info.transaction_status == pq.TransactionStatus.IDLE:
         raise OutboxError("enqueue needs the application's transaction: call it inside conn.transaction() "

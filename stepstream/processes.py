@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,22 +25,23 @@ class ServiceProcesses:
     # and a marker an earlier run logged must not pass for this one's.
     _log_start: dict[str, int] = field(default_factory=dict)
 
-    def start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
-        """Start ``python -m <args>`` under ``name``; a process of that name still running is an error."""
+    def start(self, name: str, *args: str, env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
+        """Start ``python -m <args>`` under ``name`` (``env``: variables of its own on top of the group's); a
+        process of that name still running is an error."""
         running = self.procs.get(name)
         if running is not None and running.poll() is None:
             raise RuntimeError(f"{name} is already running (pid {running.pid})")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_dir / f"{name}.log", "ab") as log:
             self._log_start[name] = log.tell()
-            proc = subprocess.Popen([sys.executable, "-m", *args], env=self.env, stdout=log,
+            proc = subprocess.Popen([sys.executable, "-m", *args], env={**self.env, **(env or {})}, stdout=log,
                                     stderr=subprocess.STDOUT, cwd=self.cwd)
         self.procs[name] = proc
         return proc
 
-    def service(self, name: str, *args: str) -> subprocess.Popen[bytes]:
+    def service(self, name: str, *args: str, env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
         """Start a ``stepstream run ...`` service."""
-        return self.start(name, "stepstream", "run", *args)
+        return self.start(name, "stepstream", "run", *args, env=env)
 
     def wait_started(self, name: str, marker: str = "service starting", timeout_s: float = 60.0,
                      count: int = 1) -> None:

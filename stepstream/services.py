@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
 import structlog
 from prometheus_client import start_http_server
 
+from eventstore.errors import StepstreamError
 from eventstore.logs import configure_logging
 from eventstore.settings import ConsumerSettings, KafkaSettings, ObservabilitySettings
 from eventstore.shutdown import GracefulShutdown
+
+if TYPE_CHECKING:
+    from agents.policy import FilePolicy
 
 
 def _prepare(service: str) -> tuple[KafkaSettings, ConsumerSettings, threading.Event]:
@@ -37,15 +42,34 @@ def run_scheduler() -> int:
     return 0
 
 
+class PolicyRefused(StepstreamError):
+    """The agent policy file is invalid at start: the agent does not start (its message names the field)."""
+
+
 def run_agent(name: str) -> int:
+    from agents.policy import FilePolicy, PolicyError
     from agents.runtime import build_agent
     from agents.settings import AgentSettings
     from agents.shipped import shipped_agent
 
     kafka, consumer, stop = _prepare(f"agent {name}")
     settings = AgentSettings()
-    build_agent(kafka, consumer, shipped_agent(name, settings.service_url, settings.policy_provider(), stop)).run()
+    try:
+        policy = settings.policy_provider()
+    except PolicyError as exc:  # one line naming the field, not the chain of parsers it came through
+        raise PolicyRefused(f"agent {name} not started: {exc}") from None
+    if isinstance(policy, FilePolicy):
+        threading.Thread(target=_watch_policy, args=(policy, stop), name="policy-watch", daemon=True).start()
+    agent = shipped_agent(name, settings.service_url, policy, stop, connections=settings.concurrency)
+    build_agent(kafka, consumer, agent, settings.concurrency).run()
     return 0
+
+
+def _watch_policy(policy: FilePolicy, stop: threading.Event) -> None:
+    """Re-read the policy file every poll interval, not only when a call asks for the policy: an edit is
+    applied (or a bad one refused with its ERROR log) within the interval even while the agent is idle."""
+    while not stop.wait(policy.poll_interval_s):
+        policy.check()
 
 
 def run_projector() -> int:

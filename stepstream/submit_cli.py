@@ -1,8 +1,10 @@
 """``stepstream submit``, ``stepstream status`` and ``stepstream tasks``: the submission path for people
 and scripts.
 
-Exit codes scripts can rely on: 0 done (submitted, or completed with --wait), 2 invalid input, 3 no such
-task, 4 the task ended without completing, 5 rejected by admission control, 124 --wait timed out.
+Exit codes scripts can rely on: 0 done (submitted, or completed with --wait), 2 invalid input (an unknown
+workflow or version included: nothing is produced), 3 no such task, 4 the task ended without completing, 5
+rejected by admission control, 6 refused as a contradiction (the task id exists with other data; the
+existing task is untouched), 124 --wait timed out.
 
 ``stepstream tasks`` lists tasks from the state store, newest first (by creation): a table for people, or
 with ``--json`` one JSON object per line (the store's row, times in epoch milliseconds) and nothing else on
@@ -23,14 +25,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import orjson
+from pydantic import ValidationError
 
 from projections.rows import EPOCH, exact_ms
-from stepstream.client import Client, InvalidSubmission, SubmissionRejected, TaskWaitTimeout
+from scheduler.settings import SchedulerSettings
+from stepstream.client import Client, InvalidSubmission, SubmissionContradicts, SubmissionRejected, TaskWaitTimeout
 
 if TYPE_CHECKING:
     from projections.store import Store
 
-EXIT_INVALID, EXIT_NOT_FOUND, EXIT_NOT_COMPLETED, EXIT_REJECTED, EXIT_TIMEOUT = 2, 3, 4, 5, 124
+EXIT_INVALID, EXIT_NOT_FOUND, EXIT_NOT_COMPLETED, EXIT_REJECTED, EXIT_CONTRADICTION, EXIT_TIMEOUT = 2, 3, 4, 5, 6, 124
 
 # The task states of the projection (``projections/rows.py``), as ``/api/tasks?state=`` accepts them.
 TASK_STATES = ("accepted", "running", "completed", "error", "compensating", "compensated", "compensation_failed",
@@ -39,7 +43,12 @@ ERROR_WIDTH = 60
 
 
 def add_parsers(commands: Any) -> None:
-    submit = commands.add_parser("submit", help="submit a task")
+    submit = commands.add_parser(
+        "submit", help="submit a task", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Submit a task. Exit codes: 0 submitted (with --wait: completed), 2 invalid input (unknown "
+                    "workflow or version included), 4 ended without completing, 5 rejected by admission control, "
+                    "6 refused as a contradiction, 124 --wait timed out, 69 no Kafka cluster answered.",
+        epilog=_workflows_help())
     submit.add_argument("workflow")
     submit.add_argument("--input", required=True, help="a JSON object, or @file holding one")
     submit.add_argument("--task-id", default=None, help="idempotency key (default: a new id)")
@@ -75,6 +84,15 @@ def add_parsers(commands: Any) -> None:
     tasks.set_defaults(func=_tasks)
 
 
+def _workflows_help() -> str:
+    """The workflows this deployment runs and their inputs (the registry STEPSTREAM_SCHEDULER_WORKFLOWS names)."""
+    try:
+        lines = SchedulerSettings().load_registry().describe_inputs()
+    except (ValidationError, ImportError, AttributeError, TypeError) as exc:  # every command builds this parser:
+        return f"workflows: cannot load STEPSTREAM_SCHEDULER_WORKFLOWS: {exc}"  # say what is wrong, do not fail
+    return "workflows and their --input:\n" + "\n".join(f"  {line}" for line in lines)
+
+
 def _nonempty(text: str) -> str:
     if not text:
         raise argparse.ArgumentTypeError("must not be empty")
@@ -101,7 +119,10 @@ def _instant(text: str) -> int:
 
 
 def _read_input(raw: str) -> Any:
-    text = Path(raw[1:]).read_bytes() if raw.startswith("@") else raw.encode()
+    try:
+        text = Path(raw[1:]).read_bytes() if raw.startswith("@") else raw.encode()
+    except OSError as exc:
+        raise InvalidSubmission("input", f"cannot read {raw[1:]}: {exc.strerror or exc}") from None
     try:
         return orjson.loads(text)
     except orjson.JSONDecodeError as exc:
@@ -131,22 +152,28 @@ def _submit(args: argparse.Namespace) -> int:
     except InvalidSubmission as exc:
         print(f"stepstream submit: invalid {exc}", file=sys.stderr)
         return EXIT_INVALID
-    except OSError as exc:
-        print(f"stepstream submit: cannot read --input: {exc}", file=sys.stderr)
-        return EXIT_INVALID
+    except SubmissionContradicts as exc:
+        print(f"stepstream submit: refused as a contradiction: {exc}", file=sys.stderr)
+        return EXIT_CONTRADICTION
     except SubmissionRejected as exc:
         print(f"stepstream submit: {exc}", file=sys.stderr)
         return EXIT_REJECTED
     except TaskWaitTimeout as exc:
-        print(f"stepstream submit: {exc}", file=sys.stderr)
+        print(f"stepstream submit: --wait timed out: {exc}", file=sys.stderr)
         return EXIT_TIMEOUT
     _print(task, args.json)
     return 0 if task["status"] == "completed" else EXIT_NOT_COMPLETED
 
 
 def _status(args: argparse.Namespace) -> int:
-    with Client() as client:
-        task = client.status(args.task_id)
+    """Reads the state store only: it answers with the broker down."""
+    store = _open_store("status")
+    if store is None:
+        return EXIT_NOT_FOUND
+    try:
+        task = store.task(args.task_id)
+    finally:
+        store.close()
     if task is None:
         print(f"stepstream status: no task {args.task_id!r} in the state store", file=sys.stderr)
         return EXIT_NOT_FOUND
@@ -222,15 +249,16 @@ def all_tasks(store: Store, wanted: TaskFilter, size: int) -> Iterator[list[dict
         until_ms = last
 
 
-def _open_store(as_json: bool) -> Store | None:
-    """The configured state store; None when it is an SQLite file no projector has created yet."""
+def _open_store(command: str, *, quiet: bool = False) -> Store | None:
+    """The configured state store; None (said on stderr unless ``quiet``) when it is an SQLite file no
+    projector has created yet: opening it would create an empty one, answering every question with "none"."""
     from eventstore.settings import KafkaSettings
     from projections.settings import StoreSettings
 
     spec = StoreSettings().spec(KafkaSettings().home)
     if spec.kind == "sqlite" and not Path(spec.location).exists():
-        if not as_json:
-            print(f"stepstream tasks: no state store at {spec.location} yet (has the projector run?)",
+        if not quiet:
+            print(f"stepstream {command}: no state store at {spec.location} yet (has the projector run?)",
                   file=sys.stderr)
         return None
     return spec.open()
@@ -254,12 +282,12 @@ STATUS_STYLES = {"completed": "green", "error": "red", "compensation_failed": "b
 
 
 def _table(rows: Sequence[dict[str, Any]], more: bool) -> None:
-    from rich.console import Console
     from rich.table import Table
     from rich.text import Text
 
-    # Piped output keeps whole rows (rich would squeeze them into 80 columns).
-    console = Console(highlight=False, width=None if sys.stdout.isatty() else 240)
+    from eventstore.console import command_console
+
+    console = command_console()
     if rows:
         table = Table(box=None, header_style="bold", pad_edge=False)
         for name in ("task", "workflow", "status", "created (UTC)", "updated (UTC)", "error"):
@@ -279,7 +307,7 @@ def _tasks(args: argparse.Namespace) -> int:
         print("stepstream tasks: argument --until: must be after --since", file=sys.stderr)
         return EXIT_INVALID
     wanted = TaskFilter(tuple(dict.fromkeys(args.state or ())), args.workflow, args.since, args.until)
-    store = _open_store(args.json)
+    store = _open_store("tasks", quiet=args.json)
     try:
         if args.all:
             pages: Iterator[list[dict[str, Any]]] = all_tasks(store, wanted, args.limit) if store else iter(())

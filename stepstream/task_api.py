@@ -39,8 +39,8 @@ from projections.api import invalid
 from projections.lag import LagReader
 from projections.settings import ApiSettings
 from projections.store import Store
-from scheduler.decider import TERMINAL, input_digest
-from scheduler.workflow import WorkflowNotFoundError, WorkflowRegistry
+from scheduler.decider import TERMINAL
+from scheduler.workflow import WorkflowRegistry
 from schemas.codec import default_codec
 from schemas.errors import DecodeError
 from schemas.messages import (
@@ -55,7 +55,7 @@ from schemas.messages import (
     TaskRejected,
     new_id,
 )
-from stepstream.client import InvalidSubmission, build_submission
+from stepstream.client import InvalidSubmission, build_submission, check_submission, same_submission
 from stepstream.operator import Outcome
 
 log = structlog.get_logger("stepstream.api")
@@ -374,11 +374,12 @@ class TaskWriter:
             return Answer(403, {"detail": f"submitter {request.submitter!r}: a token of {holder!r} may only name "
                                           f"its own reply topic ({holder!r}, the default)"})
         try:
-            self.registry.get(request.workflow, request.version)
-        except WorkflowNotFoundError as exc:
-            if self._known(request.workflow):
-                raise _invalid("version", str(exc), request.version) from None
-            raise _invalid("workflow", str(exc), request.workflow) from None
+            check_submission(self.registry, request.workflow, request.version, request.input)
+        except InvalidSubmission as exc:
+            head, _, rest = exc.field.partition(".")
+            value = getattr(request, head)
+            raise _invalid(exc.field, exc.reason, value.get(rest) if rest and isinstance(value, dict) else value) \
+                from None
         try:
             command = build_submission(request.workflow, request.input, version=request.version,
                                        task_id=request.task_id, submitter=holder,
@@ -420,7 +421,7 @@ class TaskWriter:
         existing = self.store.task(command.task_id)
         if existing is None:
             return None
-        if not self._same_submission(existing, command.workflow, version, command.input):
+        if not same_submission(self.store, existing, command.workflow, version, command.input):
             return Answer(409, {"task_id": command.task_id, "status": existing["status"],
                                 "detail": f"task {command.task_id!r} exists with other data "
                                           f"({existing['workflow']} v{existing['workflow_version']}); "
@@ -429,23 +430,6 @@ class TaskWriter:
             return None
         return Answer(200, self._task_body(command.task_id, existing["status"], existing["workflow"],
                                            existing["workflow_version"]), self._location(command.task_id))
-
-    def _known(self, name: str) -> bool:
-        try:
-            self.registry.get(name)
-        except WorkflowNotFoundError:
-            return False
-        return True
-
-    def _same_submission(self, existing: dict[str, Any], workflow: str, version: int | None,
-                         data: dict[str, Any]) -> bool:
-        """What the scheduler's decider compares: workflow, pinned version and input, by digest."""
-        pinned = existing["workflow_version"] if version is None else version
-        if workflow != existing["workflow"] or pinned != existing["workflow_version"]:
-            return False
-        submitted = [orjson.loads(e["body"]).get("input_digest") for e in self.store.history(existing["task_id"])
-                     if e["event_type"] in ("TaskAccepted", "TaskRejected")]
-        return bool(submitted) and submitted[-1] == input_digest(workflow, pinned, data)
 
     def _too_busy(self, task_id: str, reason: str) -> Answer:
         retry_after = str(self.settings.retry_after_s)
@@ -541,7 +525,9 @@ def write_router(writer: TaskWriter | None, settings: ApiSettings) -> APIRouter:
         409: {"description": "the task id exists with other data: nothing submitted"},
         429: {"description": "admission control refused the task: retry after Retry-After, same task id"},
         **unavailable,
-    })
+    }, description="Submit a task; the answer is the scheduler's decision (or 202 if it takes longer). "
+                   "A 422 names the field at fault (`input.amount`). Workflows and their `input`:\n\n" + "\n".join(
+                       f"- {line}" for line in (writer.registry.describe_inputs() if writer else [])))
     def submit_task(request: SubmissionRequest, who: Annotated[str, Depends(token_holder)]) -> JSONResponse:
         """Submit a task; the answer is the scheduler's decision (or 202 if it takes longer)."""
         answer = _guard(lambda: _require(writer).submit(request, who), settings)

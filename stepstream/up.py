@@ -9,19 +9,22 @@ On SIGTERM it drains them newest first and reports each exit code.
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
+import subprocess
 import time
 from pathlib import Path
 
 from confluent_kafka.admin import AdminClient
-from rich.console import Console
 
 from agents.orders_client import ServiceProcess
 from agents.shipped import ORDER_OPERATIONS
 from eventstore.broker import LocalBroker
+from eventstore.console import command_console
+from eventstore.errors import StepstreamError
 from eventstore.kafka_config import connection_config
-from eventstore.settings import ConsumerSettings, KafkaSettings
+from eventstore.settings import ConsumerSettings, KafkaSettings, ObservabilitySettings
 from eventstore.shutdown import GracefulShutdown
 from eventstore.topics import TopicLayout, ensure_topics
 from projections.settings import ApiSettings
@@ -36,37 +39,81 @@ def up_state_file(home: Path) -> Path:
     return home / "up.json"
 
 
+class PortTaken(StepstreamError):
+    """A port a service of ``stepstream up`` must listen on is in use."""
+
+
+class AlreadyUp(StepstreamError):
+    """A ``stepstream up`` runs with this home already: a second would start a second set of services on
+    the same topics and store, and remove the first one's state file when it stops."""
+
+
+def refuse_if_up(home: Path) -> None:
+    """Raise AlreadyUp naming the running system (its process, its dashboard) and how to stop it."""
+    try:
+        state = json.loads(up_state_file(home).read_text())
+    except (OSError, ValueError):
+        return
+    pid = state.get("pid")
+    if isinstance(pid, int) and _alive(pid):
+        raise AlreadyUp(f"a system is already up in {home} (stepstream up, pid {pid}, dashboard "
+                        f"{state.get('api_url')}): stop it first (Ctrl-C where it runs, or kill -TERM {pid}), "
+                        "or use another STEPSTREAM_HOME")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
 def run_up(service_port: int | None = None) -> int:
-    console = Console(stderr=True)
+    console = command_console(stderr=True)  # whole lines, also in a log: the demo and tests read them
     stop = GracefulShutdown(ConsumerSettings().drain_timeout_s * 2).install().event
     kafka = KafkaSettings()
+    agents = sorted(SchedulerSettings().load_registry().agents & ORDER_OPERATIONS.keys())
+    services = ["projector", "scheduler", *agents, "supervisor"]
+    metrics = metrics_ports(services, ObservabilitySettings().metrics_port)
     home = kafka.home.resolve()
-    bootstrap = kafka.bootstrap_servers or LocalBroker(home).start().bootstrap_servers
+    refuse_if_up(home)
+    logs = home / "logs"
+    logs.mkdir(parents=True, exist_ok=True)  # a fresh clone has no home yet; every process logs there
+    bootstrap = kafka.reachable_bootstrap() if kafka.bootstrap_servers else LocalBroker(home).start().bootstrap_servers
     layout = TopicLayout.from_settings(kafka)
     ensure_topics(AdminClient(connection_config(bootstrap)), layout.core_specs(), kafka.replication_factor)
-    agents = sorted(SchedulerSettings().load_registry().agents & ORDER_OPERATIONS.keys())
 
     service = ServiceProcess(port=service_port, state_file=home / "orders-service.json",
-                             log_path=home / "logs" / "orders-service.log").start()
+                             log_path=logs / "orders-service.log").start()
     procs = ServiceProcesses(child_env(STEPSTREAM_BOOTSTRAP_SERVERS=bootstrap, STEPSTREAM_HOME=str(home),
-                                       STEPSTREAM_AGENT_SERVICE_URL=service.base_url), home / "logs")
-    names = ["projector", "scheduler", *agents, "supervisor", "api"]
+                                       STEPSTREAM_AGENT_SERVICE_URL=service.base_url), logs)
+    names = [*services, "api"]
     dead: list[str] = []
     try:
-        for name in names[:-1]:
-            procs.service(name, *(("agent", name) if name in agents else (name,)))
+        for name in services:
+            procs.service(name, *(("agent", name) if name in agents else (name,)),
+                          env={"STEPSTREAM_METRICS_PORT": str(metrics[name])} if name in metrics else None)
         procs.start("api", "stepstream", "serve", "api", "--port", str(_api_port()))
-        for name in names[:-1]:
+        for name in services:
             procs.wait_started(name)
         procs.wait_started("api", API_MARKER)
         api_url = re.findall(API_MARKER + r" (http://\S+)", procs.log("api"))[0]
-        up_state_file(home).write_text(json.dumps({
-            "bootstrap": bootstrap, "service_url": service.base_url, "topic_prefix": layout.prefix,
+        written = up_state_file(home).with_suffix(".tmp")  # then renamed: a reader never sees half a file
+        written.write_text(json.dumps({
+            "pid": os.getpid(), "bootstrap": bootstrap, "service_url": service.base_url, "topic_prefix": layout.prefix,
             "api_url": api_url, "pids": {name: proc.pid for name, proc in procs.procs.items()},
+            "metrics_ports": metrics,
         }))
+        written.replace(up_state_file(home))
         console.print(f"{READY_MARKER}: kafka {bootstrap}, order service {service.base_url}, "
-                      f"dashboard and API {api_url}, services {', '.join(names)}; logs in {home / 'logs'}",
+                      f"dashboard and API {api_url}, services {', '.join(names)}; logs in {logs}",
                       highlight=False)
+        if metrics:
+            console.print("metrics (STEPSTREAM_METRICS_PORT, one port each): " + ", ".join(
+                f"{name} http://127.0.0.1:{port}/metrics" for name, port in metrics.items()), highlight=False)
         while not stop.wait(0.5):
             dead = [name for name in names if not procs.alive(name)]
             if dead:
@@ -78,6 +125,26 @@ def run_up(service_port: int | None = None) -> int:
         up_state_file(home).unlink(missing_ok=True)
     console.print("stopped: " + ", ".join(f"{name} exit {code}" for name, code in codes.items()), highlight=False)
     return 0 if not dead and all(code == 0 for code in codes.values()) else 1
+
+
+def metrics_ports(services: list[str], base: int | None) -> dict[str, int]:
+    """With STEPSTREAM_METRICS_PORT=N, each service its own port, N, N+1, ... in start order (0: any free
+    ones); every child would otherwise bind N and all but the first would crash. Refused before anything
+    starts when one of them is taken. The API serves its metrics on its own port (``/metrics``)."""
+    if base is None:
+        return {}
+    ports: dict[str, int] = {}
+    for offset, name in enumerate(services):
+        wanted = 0 if base == 0 else base + offset
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", wanted))
+            except OSError as exc:
+                raise PortTaken(f"STEPSTREAM_METRICS_PORT={base}: port {wanted} for {name} (ports {base}-"
+                                f"{base + len(services) - 1}, one per service) cannot be used: {exc.strerror}; "
+                                "choose another base, or 0 for any free ports") from None
+            ports[name] = probe.getsockname()[1]
+    return ports
 
 
 def _api_port() -> int:
@@ -93,13 +160,18 @@ def _api_port() -> int:
     return port
 
 
-def wait_until_up(home: Path, timeout_s: float = 120.0) -> dict[str, object]:
-    """For callers that started ``stepstream up`` in the background: its state once every service runs."""
+def wait_until_up(home: Path, up: subprocess.Popen[bytes], timeout_s: float = 120.0) -> dict[str, object]:
+    """For callers that started ``stepstream up`` (``up``) in the background: its state once every service
+    runs (its own state, not a file an earlier ``up`` left behind). An ``up`` that exits first is reported at
+    once, not after the timeout."""
     deadline = time.monotonic() + timeout_s
     path = up_state_file(home.resolve())
     while time.monotonic() < deadline:
         if path.exists():
             state: dict[str, object] = json.loads(path.read_text())
-            return state
+            if state.get("pid") == up.pid:
+                return state
+        if up.poll() is not None:
+            raise RuntimeError(f"stepstream up exited with {up.returncode} before it was up")
         time.sleep(0.2)
     raise TimeoutError(f"stepstream up did not come up within {timeout_s}s")

@@ -9,7 +9,8 @@ Leadership is ownership of partition 0 of ``supervisor-lease`` in the supervisor
 group protocol gives it to exactly one live member, and hands it over when that member dies or leaves.
 Only the leader scans. It only requests (a ``RecoverStep`` naming the expired attempt); the scheduler
 decides, and a request naming an attempt that is no longer current changes nothing, so a duplicate
-request from a leader hand-over is harmless.
+request from a leader hand-over is harmless. It asks again for an attempt the projection still shows
+expired only after a back-off that doubles each time (:mod:`supervisor.asks`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
 import structlog
@@ -29,6 +31,7 @@ from eventstore.settings import KafkaSettings
 from eventstore.topics import TopicLayout
 from projections.store import Store
 from schemas.messages import RecoverStep
+from supervisor.asks import RecoveryAsks
 from supervisor.settings import SupervisorSettings
 
 log = structlog.get_logger("stepstream.supervisor")
@@ -40,17 +43,18 @@ RECOVERIES = Counter("stepstream_supervisor_recoveries_total", "Recovery command
 class Supervisor:
     def __init__(self, *, bootstrap: str, layout: TopicLayout, store: Store, cadence_s: float = 5.0,
                  window_s: float = 24 * 3600, page_size: int = 200, resend_after_s: float = 30.0,
-                 session_timeout_ms: int = 10000, stop_event: threading.Event | None = None) -> None:
+                 resend_max_s: float = 600.0, session_timeout_ms: int = 10000,
+                 stop_event: threading.Event | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.layout = layout
         self.store = store
         self.cadence_s = cadence_s
         self.window = timedelta(seconds=window_s)
         self.page_size = page_size
-        self.resend_after_s = resend_after_s
         self.leader = False
         self.instance = uuid.uuid4().hex[:12]
         self._stop = stop_event or threading.Event()
-        self._sent: dict[str, float] = {}
+        self._asks = RecoveryAsks(resend_after_s, resend_max_s)
+        self._clock = clock
         self._producer = EventProducer(bootstrap)
         self._lease = Consumer({
             **connection_config(bootstrap),
@@ -87,24 +91,25 @@ class Supervisor:
         now = now or datetime.now(UTC)
         after: tuple[int, str, str] | None = None
         sent = 0
-        clock = time.monotonic()
+        clock = self._clock()
+        seen: set[str] = set()
         while not self._stop.is_set():
             page = self.store.expired_steps(now, not_before=now - self.window, after=after, limit=self.page_size)
             for step in page:
-                last = self._sent.get(step.attempt_id)
-                if last is not None and clock - last < self.resend_after_s:
-                    continue  # asked recently; the projection has not caught up yet
+                seen.add(step.attempt_id)
+                if not self._asks.due(step.attempt_id, clock):
+                    continue  # asked already; the projection has not caught up with the answer yet
                 command = RecoverStep(task_id=step.task_id, attempt_id=step.attempt_id, reason="deadline expired")
                 self._producer.send(self.layout.inbox, command,
                                     headers=[("stepstream.supervisor", self.instance.encode())])
-                self._sent[step.attempt_id] = clock
+                self._asks.asked(step.attempt_id, clock)
                 sent += 1
             if len(page) < self.page_size:
+                self._asks.keep_only(seen)  # a whole scan: what it did not find needs no memory
                 break
             last_step = page[-1]
             after = (last_step.complete_by_ms, last_step.task_id, last_step.step)
         self._producer.flush()
-        self._sent = {k: v for k, v in self._sent.items() if clock - v < self.resend_after_s}
         if sent:
             RECOVERIES.inc(sent)
             log.info("recovery requested", count=sent)
@@ -127,5 +132,6 @@ def build_supervisor(kafka: KafkaSettings, settings: SupervisorSettings, store: 
                      stop_event: threading.Event | None = None) -> Supervisor:
     return Supervisor(bootstrap=kafka.resolved_bootstrap(), layout=TopicLayout.from_settings(kafka), store=store,
                       cadence_s=settings.cadence_s, window_s=settings.window_s, page_size=settings.page_size,
-                      resend_after_s=settings.resend_after_s, session_timeout_ms=settings.session_timeout_ms,
+                      resend_after_s=settings.resend_after_s, resend_max_s=settings.resend_max_s,
+                      session_timeout_ms=settings.session_timeout_ms,
                       stop_event=stop_event)

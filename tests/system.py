@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 import sqlite3
+import subprocess
+import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -21,6 +23,7 @@ from tests.kafka_helpers import wait_for
 
 TERMINAL = {"completed", "error", "rejected", "compensated", "compensation_failed"}
 AGENTS = ("inventory", "payments", "shipping")
+ROOT = Path(__file__).parent.parent
 
 
 class System:
@@ -44,7 +47,7 @@ class System:
             "STEPSTREAM_SUPERVISOR_SESSION_TIMEOUT_MS": "6000",
             "STEPSTREAM_LOG_JSON": "true",
         }
-        self.procs = ServiceProcesses(self.env, tmp / "logs", cwd=Path(__file__).parent.parent)
+        self.procs = ServiceProcesses(self.env, tmp / "logs", cwd=ROOT)
         self.producer = EventProducer(bootstrap)
 
     def start(self, *names: str) -> None:
@@ -82,6 +85,11 @@ class System:
         self.producer.send(self.layout.inbox, command)
         self.producer.flush()
         return command
+
+    def cli(self, *args: str, cwd: Path = ROOT, timeout_s: float = 180) -> subprocess.CompletedProcess[str]:
+        """``stepstream ARGS`` as a user runs it, in this system's environment."""
+        return subprocess.run([sys.executable, "-m", "stepstream", *args], env=self.env, capture_output=True,
+                              text=True, timeout=timeout_s, check=False, cwd=cwd)
 
     def task(self, task_id: str) -> dict[str, Any] | None:
         if not self.store_path.exists():

@@ -133,3 +133,24 @@ def test_operator_commands_show_in_the_projection_and_a_refusal_changes_no_row(p
     assert task is not None and task["status"] == "running" and task["error"] is None
     ship = next(s for s in task["steps"] if s["step"] == "ship")
     assert (ship["status"], ship["attempt"], ship["failure_count"], ship["calls_used"]) == ("processing", 2, 0, 0)
+
+
+def test_after_a_successful_retry_of_compensation_the_task_headlines_why_it_was_undone(
+    projected: Projected,
+) -> None:
+    stuck = projected.through_last_step("retried")
+    stuck = projected(failure(stuck, permanent=True))
+    cause = (projected.store.task("retried") or {})["error"]
+    stuck = projected(recover(stuck), timedelta(seconds=6))
+    stuck = projected(recover(stuck), timedelta(seconds=12))
+    assert (projected.store.task("retried") or {})["error"].startswith("charge: failure threshold reached")
+    state = projected(OperatorCommand(task_id="retried", command_id="again", action="retry-compensation"),
+                      timedelta(seconds=13))
+    assert (projected.store.task("retried") or {})["error"] == cause
+    for _ in range(5):
+        if state.status == "compensated":
+            break
+        state = projected(ok(state), timedelta(seconds=14))
+    task = projected.store.task("retried")
+    assert task is not None and (task["status"], task["error"]) == ("compensated", cause)
+    assert cause and cause.startswith("ship: ")

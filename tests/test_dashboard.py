@@ -1,6 +1,10 @@
-"""The dashboard page in a real headless Chromium (Debian's, driven by Playwright): it loads, shows the
-numbers the API reports, opens a task's timeline, and redraws itself when the store changes. A screenshot
-is saved to test-artifacts/dashboard.png."""
+"""The dashboard page in a real headless Chromium (Debian's, driven by Playwright), against the real API
+over a real store and a real broker (for lag), in three states: an empty system, one with every table
+filled, and a busy one whose store changes while the page is open. Each test fails on any error the
+browser reports (console or uncaught exception) and saves a screenshot to test-artifacts/.
+
+An empty table is the common case (no stuck step, no alert), and once broke every refresh: the tests
+check that such a table shows a single "none" row and the page still draws everything else."""
 
 from __future__ import annotations
 
@@ -9,27 +13,38 @@ import shutil
 import socket
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
 import uvicorn
+from confluent_kafka import Consumer, TopicPartition
 
 from eventstore.dlq import dlq_headers
 from eventstore.dlq_tools import DeadLetter
+from eventstore.producer import EventProducer
+from eventstore.replay import LogRange, ReplayReader
 from eventstore.topics import TopicLayout
 from projections.api import create_app
 from projections.dlq_rows import project_dead_letter
+from projections.lag import LagReader
 from projections.store import Positioned, SqliteStore
-from tests.histories import histories
+from tests.histories import histories, publish
 from tests.kafka_helpers import wait_for
+
+if TYPE_CHECKING:
+    from playwright.sync_api import Browser, Page
+
+pytestmark = pytest.mark.kafka
 
 ARTIFACTS = Path(__file__).parent.parent / "test-artifacts"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
 STATES = ("accepted", "running", "completed", "error", "compensating", "compensated", "compensation_failed",
           "rejected")
-LAYOUT = TopicLayout(prefix="dash.", partitions=3)
+TABLES = ("dlq-kinds", "stuck", "failed", "lag", "alerts", "tasks")  # filled from the API (compensation: fixed rows)
 
 
 def _chromium() -> str:
@@ -42,15 +57,28 @@ def _chromium() -> str:
     return found
 
 
+@dataclass
+class Dashboard:
+    """An open dashboard page and every error the browser reported while it was open."""
+
+    page: Page
+    api: httpx.Client
+    errors: list[str] = field(default_factory=list)
+
+    def rows(self, table: str) -> int:
+        return self.page.locator(f"#{table} tbody tr").count()
+
+    def shows_none(self, table: str) -> bool:
+        return self.rows(table) == 1 and self.page.locator(f"#{table} tbody td.empty").count() == 1
+
+    def screenshot(self, name: str) -> None:
+        ARTIFACTS.mkdir(exist_ok=True)
+        self.page.screenshot(path=str(ARTIFACTS / name), full_page=True)
+
+
 @pytest.fixture
 def store(tmp_path: Path) -> Iterator[SqliteStore]:
     opened = SqliteStore(tmp_path / "state.db")
-    events = list(histories(120, seed=31, in_flight_every=9))
-    opened.apply_events(LAYOUT.events, [Positioned(0, i, e) for i, e in enumerate(events)])
-    letters = [DeadLetter(0, i, b"k", b"\x00", tuple(dlq_headers(
-        reason="corrupt", error_class="DecodeError", kind="corrupt", topic=LAYOUT.inbox, partition=0, offset=i,
-        group="dash.scheduler")), 0) for i in range(3)]
-    opened.apply_batch(LAYOUT.dlq, [Positioned(0, d.offset, d) for d in letters], project_dead_letter)
     try:
         yield opened
     finally:
@@ -58,10 +86,11 @@ def store(tmp_path: Path) -> Iterator[SqliteStore]:
 
 
 @pytest.fixture
-def api_url(store: SqliteStore) -> Iterator[str]:
+def api_url(store: SqliteStore, bootstrap: str, layout: TopicLayout) -> Iterator[str]:
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(store, LAYOUT), log_level="warning"))
+    app = create_app(store, layout, LagReader(bootstrap, layout.prefix, cache_s=0.2))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()
     assert wait_for(lambda: server.started, timeout_s=30)
@@ -72,43 +101,118 @@ def api_url(store: SqliteStore) -> Iterator[str]:
         thread.join(timeout=30)
 
 
-def test_the_dashboard_shows_what_the_api_reports_and_keeps_itself_up_to_date(
-    api_url: str, store: SqliteStore,
-) -> None:
+@pytest.fixture
+def browser() -> Iterator[Browser]:
     chromium = _chromium()
     from playwright.sync_api import sync_playwright
 
-    api = httpx.Client(base_url=api_url)
-    ARTIFACTS.mkdir(exist_ok=True)
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, headless=True)
+        launched = playwright.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, headless=True)
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.goto(f"{api_url}/?refresh=1")
-            page.wait_for_function("Number(document.body.dataset.refreshes || 0) >= 1", timeout=30000)
-
-            counts = api.get("/api/counts").json()
-            shown = {s: int(page.inner_text(f'[data-count="{s}"]')) for s in STATES}
-            assert shown == {s: counts["tasks"].get(s, 0) for s in STATES}
-            assert page.inner_text("#total") == f"{counts['total']} in all"
-            assert int(page.inner_text("#dlq-depth")) == api.get("/api/dlq/summary").json()["depth"] == 3
-            stuck = api.get("/api/steps/stuck?limit=20").json()["items"]
-            assert page.locator("#stuck tbody tr").count() == len(stuck) > 0
-            assert page.locator("#stuck tbody tr td").first.inner_text() == stuck[0]["task_id"]
-            assert int(page.inner_text("#throughput-total")) == api.get("/api/throughput").json()["total"]
-
-            first_task = api.get("/api/tasks?limit=1").json()["items"][0]["task_id"]
-            page.locator("#tasks tbody tr").first.click()
-            timeline = api.get(f"/api/tasks/{first_task}").json()["timeline"]
-            page.wait_for_function(f"document.querySelectorAll('#timeline li').length === {len(timeline)}")
-            assert page.locator("#timeline li .type").all_inner_texts() == [e["event_type"] for e in timeline]
-            page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
-
-            more = list(histories(30, seed=32, prefix="later"))
-            store.apply_events(LAYOUT.events, [Positioned(1, i, e) for i, e in enumerate(more)])
-            total = api.get("/api/counts").json()["total"]
-            assert total == counts["total"] + 30
-            page.wait_for_function(f"document.getElementById('total').textContent === '{total} in all'",
-                                   timeout=30000)
+            yield launched
         finally:
-            browser.close()
+            launched.close()
+
+
+@pytest.fixture
+def dashboard(browser: Browser, api_url: str) -> Iterator[Dashboard]:
+    """The page after its first refresh, whether that refresh drew everything or failed."""
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    opened = Dashboard(page, httpx.Client(base_url=api_url))
+    page.on("console", lambda msg: opened.errors.append(msg.text) if msg.type == "error" else None)
+    page.on("pageerror", lambda exc: opened.errors.append(str(exc)))
+    yield opened
+    opened.api.close()
+    page.close()
+
+
+def _open(dashboard: Dashboard) -> None:
+    dashboard.page.goto(f"{dashboard.api.base_url}/?refresh=1")
+    dashboard.page.wait_for_function("Number(document.body.dataset.refreshes || 0) >= 1 || "
+                                     "document.getElementById('refreshed').textContent.startsWith('refresh failed')",
+                                     timeout=30000)
+    assert not dashboard.page.inner_text("#refreshed").startswith("refresh failed"), dashboard.errors
+
+
+def _fill(store: SqliteStore, bootstrap: str, layout: TopicLayout) -> None:
+    """Every table's source, on the broker and in the store at the offsets the broker gave them: tasks (some
+    stuck in a step, some failed with an alert), dead letters, and a consumer group that read part of
+    ``events``."""
+    publish(bootstrap, layout.events, histories(120, seed=31, in_flight_every=9))
+    store.apply_events(layout.events, [Positioned(r.partition, r.offset, r.message)
+                                       for r in ReplayReader(bootstrap, layout.events)])
+    producer = EventProducer(bootstrap)
+    for i in range(3):
+        producer.send_raw(layout.dlq, b"k", b"\x00", dlq_headers(
+            reason="corrupt", error_class="DecodeError", kind="corrupt", topic=layout.inbox, partition=0, offset=i,
+            group=f"{layout.prefix}scheduler"), partition=0)
+    producer.flush()
+    letters = [DeadLetter.from_message(m) for m in LogRange(bootstrap, layout.dlq)]
+    store.apply_batch(layout.dlq, [Positioned(d.partition, d.offset, d) for d in letters], project_dead_letter)
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"{layout.prefix}reader",
+                         "enable.auto.commit": False})
+    consumer.commit(offsets=[TopicPartition(layout.events, 0, 1)], asynchronous=False)
+    consumer.close()
+
+
+def test_an_empty_system_shows_none_in_every_table_and_no_browser_error(dashboard: Dashboard) -> None:
+    _open(dashboard)
+    assert {s: int(dashboard.page.inner_text(f'[data-count="{s}"]')) for s in STATES} == dict.fromkeys(STATES, 0)
+    assert dashboard.page.inner_text("#total") == "0 in all"
+    assert dashboard.page.inner_text("#dlq-depth") == "0"
+    for table in ("dlq-kinds", "stuck", "failed", "alerts", "tasks"):
+        assert dashboard.shows_none(table), table
+    lag = dashboard.api.get("/api/lag").json()
+    assert dashboard.rows("lag") == len(lag["projection"]) + len(lag["groups"]) > 0  # the store's own, all 0
+    dashboard.screenshot("dashboard-empty.png")
+    assert dashboard.errors == []
+
+
+def test_every_table_filled_shows_what_the_api_reports_and_no_browser_error(
+    dashboard: Dashboard, store: SqliteStore, bootstrap: str, layout: TopicLayout,
+) -> None:
+    _fill(store, bootstrap, layout)
+    _open(dashboard)
+    page, api = dashboard.page, dashboard.api
+
+    counts = api.get("/api/counts").json()
+    assert {s: int(page.inner_text(f'[data-count="{s}"]')) for s in STATES} == {
+        s: counts["tasks"].get(s, 0) for s in STATES}
+    assert page.inner_text("#total") == f"{counts['total']} in all"
+    assert int(page.inner_text("#dlq-depth")) == api.get("/api/dlq/summary").json()["depth"] == 3
+    expected = {
+        "dlq-kinds": len(api.get("/api/dlq/summary").json()["by_kind"]),
+        "stuck": len(api.get("/api/steps/stuck?limit=20").json()["items"]),
+        "failed": len(api.get("/api/steps/failed?limit=20").json()["items"]),
+        "alerts": len(api.get("/api/alerts?limit=20").json()["items"]),
+        "tasks": len(api.get("/api/tasks?limit=20").json()["items"]),
+        "lag": sum(len(rows) for rows in api.get("/api/lag").json().values()),
+    }
+    assert {t: dashboard.rows(t) for t in TABLES} == expected
+    assert all(expected.values()) and not any(dashboard.shows_none(t) for t in TABLES), expected
+    assert f"{layout.prefix}reader" in page.inner_text("#lag")
+    assert int(page.inner_text("#throughput-total")) == api.get("/api/throughput").json()["total"]
+
+    first_task = api.get("/api/tasks?limit=1").json()["items"][0]["task_id"]
+    page.locator("#tasks tbody tr").first.click()
+    timeline = api.get(f"/api/tasks/{first_task}").json()["timeline"]
+    page.wait_for_function(f"document.querySelectorAll('#timeline li').length === {len(timeline)}")
+    assert page.locator("#timeline li .type").all_inner_texts() == [e["event_type"] for e in timeline]
+    dashboard.screenshot("dashboard-filled.png")
+    assert dashboard.errors == []
+
+
+def test_a_busy_system_is_redrawn_as_its_store_changes_without_a_browser_error(
+    dashboard: Dashboard, store: SqliteStore, layout: TopicLayout,
+) -> None:
+    _open(dashboard)
+    for batch in range(3):
+        more = list(histories(30, seed=40 + batch, prefix=f"busy{batch}", in_flight_every=7))
+        store.apply_events(layout.events, [Positioned(batch % layout.partitions, i, e) for i, e in enumerate(more)])
+        total = dashboard.api.get("/api/counts").json()["total"]
+        dashboard.page.wait_for_function(
+            f"document.getElementById('total').textContent === '{total} in all'", timeout=30000)
+        assert dashboard.rows("tasks") == 20 and not dashboard.shows_none("tasks")
+    assert not dashboard.shows_none("stuck")
+    dashboard.screenshot("dashboard-busy.png")
+    assert dashboard.errors == []

@@ -322,7 +322,8 @@ def test_reset_clears_state_and_faults(admin: OrdersAdmin) -> None:
     admin.call("inventory/reserve", ORDER, idempotency_key=key(), attempt=1)
     admin.set_faults(error_rate=1.0)
     admin.reset()
-    assert admin.calls() == {"requests": {}, "applied": {}, "outcomes": {}, "in_flight": 0}
+    assert admin.calls() == {"requests": {}, "applied": {}, "outcomes": {}, "in_flight": 0, "peak_in_flight": 0}
+    assert admin.arrivals() == {}
     assert admin.records()["effects"] == []
     assert admin.faults() == {"global": None, "operations": {}}
 

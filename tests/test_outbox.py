@@ -262,6 +262,10 @@ def test_invalid_input_is_refused_naming_the_field_and_writes_nothing(conn: psyc
     assert bad_submission.value.field == "submission"
     with pytest.raises(OutboxError, match="transaction"):
         outbox.enqueue(conn, _submission("alone"))  # autocommit, outside a transaction: would commit alone
+    unpriced = submission_for(ORDER).model_copy(update={"input": {k: v for k, v in ORDER.items() if k != "amount"}})
+    with pytest.raises(InvalidOutboxInput) as bad_input, conn.transaction():
+        outbox.enqueue(conn, unpriced)  # the orders workflow's input model needs an amount
+    assert (bad_input.value.field, str(bad_input.value)) == ("input.amount", "input.amount: Field required")
     for order, field in [({**ORDER, "order_id": ""}, "order_id"), ({**ORDER, "qty": 0}, "qty")]:
         with pytest.raises(InvalidSubmission) as bad_order:
             place_order(conn, order)

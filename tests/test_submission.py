@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,9 +9,10 @@ import pytest
 from eventstore.dlq import read_dlq_headers
 from eventstore.settings import KafkaSettings
 from schemas.messages import OperatorAlert, StatusUpdate, TaskAccepted
-from stepstream.client import Client, InvalidSubmission, SubmissionRejected
+from stepstream.client import Client, InvalidSubmission, SubmissionContradicts, SubmissionRejected
 from tests.kafka_helpers import read_all
 from tests.system import System
+from tests.workflows import REGISTRY
 
 ORDER = {"order_id": "o-1", "sku": "A-1", "qty": 1, "amount": 10}
 
@@ -21,7 +20,7 @@ ORDER = {"order_id": "o-1", "sku": "A-1", "qty": 1, "amount": 10}
 def _client(system: System, submitter: str | None = None) -> Client:
     kafka = KafkaSettings(bootstrap_servers=system.bootstrap, topic_prefix=system.layout.prefix,
                           partitions=system.layout.partitions)
-    return Client(kafka=kafka, submitter=submitter, store_path=system.store_path)
+    return Client(kafka=kafka, submitter=submitter, store_path=system.store_path, registry=REGISTRY)
 
 
 def test_the_same_task_submitted_twice_runs_once(system: System) -> None:
@@ -42,7 +41,9 @@ def test_the_same_id_with_other_data_is_dead_lettered_with_an_alert_and_the_firs
     with _client(system) as client:
         client.submit("orders", ORDER, version=1, task_id="clash")
         first = client.wait("clash")
-        client.submit("orders", {**ORDER, "qty": 5}, version=1, task_id="clash")
+        with pytest.raises(SubmissionContradicts):  # the client refuses what the store shows to contradict...
+            client.submit("orders", {**ORDER, "qty": 5}, version=1, task_id="clash")
+    system.submit("clash", {**ORDER, "qty": 5}, version=1)  # ...a producer that does not check reaches the log
     dead = read_all(system.bootstrap, system.layout.dlq, expect=1, timeout_s=30)
     assert len(dead) == 1 and "contradict" in read_dlq_headers(dead[0].headers())["reason"]
     events = system.events("clash")
@@ -116,24 +117,18 @@ def test_past_the_in_flight_bound_submissions_are_rejected_visibly_and_admitted_
         assert client.wait(rejected[0], timeout_s=60)["status"] == "completed"
 
 
-def _cli(system: System, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**system.env}
-    return subprocess.run([sys.executable, "-m", "stepstream", *args], env=env, capture_output=True, text=True,
-                          timeout=180, check=False, cwd=Path(__file__).parent.parent)
-
-
 def test_cli_submit_waits_and_exit_codes_tell_scripts_what_happened(system: System, tmp_path: Path) -> None:
     system.start()
-    done = _cli(system, "submit", "orders", "--version", "1", "--input", '{"order_id": "c1", "qty": 1}',
+    done = system.cli("submit", "orders", "--version", "1", "--input", '{"order_id": "c1", "qty": 1}',
                 "--task-id", "cli-1", "--wait", "--json")
     assert done.returncode == 0, done.stderr
     assert '"status":"completed"' in done.stdout
     (tmp_path / "bad.json").write_text('{"order_id": "c2", "qty": 0}')
-    refused = _cli(system, "submit", "orders", "--version", "1", "--input", f"@{tmp_path / 'bad.json'}",
+    refused = system.cli("submit", "orders", "--version", "1", "--input", f"@{tmp_path / 'bad.json'}",
                    "--task-id", "cli-2", "--wait")
     assert refused.returncode == 4, "the service refused it: the task ended in error"
-    invalid = _cli(system, "submit", "orders", "--input", "[1, 2]")
+    invalid = system.cli("submit", "orders", "--input", "[1, 2]")
     assert invalid.returncode == 2 and "input" in invalid.stderr
-    assert _cli(system, "status", "cli-1").returncode == 0
-    missing = _cli(system, "status", "no-such-task")
+    assert system.cli("status", "cli-1").returncode == 0
+    missing = system.cli("status", "no-such-task")
     assert missing.returncode == 3 and "no-such-task" in missing.stderr

@@ -155,9 +155,10 @@ def test_with_no_token_configured_writes_are_refused(system: System, api: Api) -
         ({"workflow": "orders", "input": ORDER, "submitter": "../other"}, "submitter"),
         ({"workflow": "orders", "input": ORDER, "priority": 1}, "priority"),
         ({"input": ORDER}, "workflow"),
+        ({"workflow": "orders-typed", "input": {k: v for k, v in ORDER.items() if k != "amount"}}, "input.amount"),
     ],
     ids=["unknown workflow", "unknown version", "version 0", "input not an object", "integer past 64 bits",
-         "empty task id", "submitter not a name", "unknown field", "workflow missing"],
+         "empty task id", "submitter not a name", "unknown field", "workflow missing", "input without amount"],
 )
 def test_invalid_submissions_get_422_naming_the_field_and_nothing_reaches_kafka(
     system: System, api: Api, body: dict[str, Any], field: str,
@@ -165,8 +166,14 @@ def test_invalid_submissions_get_422_naming_the_field_and_nothing_reaches_kafka(
     refused = api.http.post("/api/tasks", json=body, headers=SHOP)
     assert refused.status_code == 422, refused.text
     [error] = refused.json()["detail"]
-    assert error["loc"] == ["body", field], error
+    assert error["loc"] == ["body", *field.split(".")], error
     assert inbox(system.layout, system.bootstrap) == []
+
+
+def test_the_openapi_of_a_submission_lists_each_workflow_and_its_input_fields(api: Api) -> None:
+    described = api.http.get("/openapi.json").json()["paths"]["/api/tasks"]["post"]["description"]
+    assert ("- orders-typed v1: order_id (string, required), sku (string, required), qty (integer, required), "
+            "amount (number, required)") in described.splitlines()
 
 
 def test_with_the_service_down_submissions_past_the_bound_get_429_until_it_returns(system: System) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from scheduler.examples import OrderInput
 from scheduler.workflow import Compensation, Step, Workflow, WorkflowRegistry
 
 # charge allows 4 s an attempt: three attempts outlast a dead agent's group session (6 s) plus a restart,
@@ -47,6 +48,11 @@ BUDGET_CAPPED_HANG = Workflow(
 )
 REGISTRY.register(BUDGET_CAPPED)
 REGISTRY.register(BUDGET_CAPPED_HANG)
+
+# The demo's order with its input model (tests/test_submission_mistakes.py, test_task_api.py): an input the
+# model refuses never reaches the log, whichever way it comes in.
+ORDERS_TYPED = Workflow(name="orders-typed", version=1, steps=ORDERS_V1.steps, input_model=OrderInput)
+REGISTRY.register(ORDERS_TYPED)
 
 # ---- compensation (tests/test_compensation_end_to_end.py) ------------------------------------------
 # Every step has the order service's compensating action. ``charge`` marks its charge id sensitive: the

@@ -28,7 +28,9 @@ function fill(tableId, rows, columns, onClick) {
   body.replaceChildren();
   if (!rows.length) {
     const width = document.querySelectorAll(`#${tableId} thead th`).length || 2;
-    body.append(el("tr", null)).append(el("td", "none", {colspan: width, class: "empty"}));
+    const tr = el("tr", null);  // Element.append returns undefined: build the row, then add it
+    tr.append(el("td", "none", {colspan: width, class: "empty"}));
+    body.append(tr);
     return;
   }
   for (const row of rows) {

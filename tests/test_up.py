@@ -1,0 +1,106 @@
+"""``stepstream up`` as a new user runs it: a real process starting every service against the real broker,
+from a folder where nothing was created before, stopped by SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from stepstream.up import READY_MARKER, wait_until_up
+
+pytestmark = pytest.mark.kafka
+
+
+def test_up_in_a_fresh_clone_creates_its_folders_starts_everything_and_stops_cleanly(
+    test_env: dict[str, str], tmp_path: Path,
+) -> None:
+    home = tmp_path / "fresh" / ".stepstream"
+    env = {**test_env, "STEPSTREAM_HOME": str(home), "STEPSTREAM_API_PORT": "0"}
+    output = tmp_path / "up.out"
+    with output.open("wb") as out:
+        up = subprocess.Popen([sys.executable, "-m", "stepstream", "up"], env=env, cwd=tmp_path,
+                              stdout=out, stderr=subprocess.STDOUT)
+    try:
+        state = wait_until_up(home, up, timeout_s=150)
+        assert READY_MARKER in output.read_text()
+        pids = state["pids"]
+        assert isinstance(pids, dict) and {"projector", "scheduler", "supervisor", "api"} <= set(pids)
+        assert (home / "logs" / "orders-service.log").exists() and (home / "logs" / "scheduler.log").exists()
+    finally:
+        up.send_signal(signal.SIGTERM)
+        code = up.wait(timeout=150)
+    text = output.read_text()
+    assert "Traceback" not in text and code == 0, text
+    stopped = next(line for line in text.splitlines() if line.startswith("stopped:"))
+    assert stopped.count("exit 0") == len(pids), stopped
+
+
+def test_up_with_a_metrics_port_gives_each_service_its_own_and_says_which(
+    test_env: dict[str, str], tmp_path: Path,
+) -> None:
+    home = tmp_path / ".stepstream"
+    env = {**test_env, "STEPSTREAM_HOME": str(home), "STEPSTREAM_API_PORT": "0", "STEPSTREAM_METRICS_PORT": "0"}
+    output = tmp_path / "up.out"
+    with output.open("wb") as out:
+        up = subprocess.Popen([sys.executable, "-m", "stepstream", "up"], env=env, cwd=tmp_path,
+                              stdout=out, stderr=subprocess.STDOUT)
+    try:
+        state = wait_until_up(home, up, timeout_s=150)
+        ports = state["metrics_ports"]
+        assert isinstance(ports, dict) and {"projector", "scheduler", "supervisor"} <= set(ports)
+        assert len(set(ports.values())) == len(ports), "one port each"
+        said = next(line for line in output.read_text().splitlines() if line.startswith("metrics ("))
+        for name, port in ports.items():
+            assert f"{name} http://127.0.0.1:{port}/metrics" in said
+            assert "python_info" in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    finally:
+        up.send_signal(signal.SIGTERM)
+        code = up.wait(timeout=150)
+    assert code == 0, output.read_text()
+
+
+def test_up_with_a_metrics_port_in_use_refuses_before_starting_anything(
+    test_env: dict[str, str], tmp_path: Path,
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**test_env, "STEPSTREAM_HOME": str(tmp_path / "home"), "STEPSTREAM_METRICS_PORT": str(port)}
+        done = subprocess.run([sys.executable, "-m", "stepstream", "up"], env=env, cwd=tmp_path, capture_output=True,
+                              text=True, timeout=60, check=False)
+    assert done.returncode == 1 and done.stderr.startswith(
+        f"stepstream: STEPSTREAM_METRICS_PORT={port}: port {port} for projector (ports {port}-")
+    assert "choose another base, or 0 for any free ports" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "home").exists(), "nothing started, nothing written"
+
+
+def test_a_second_up_or_a_demo_while_a_system_is_up_is_refused_and_the_running_one_is_untouched(
+    test_env: dict[str, str], tmp_path: Path,
+) -> None:
+    home = tmp_path / ".stepstream"
+    env = {**test_env, "STEPSTREAM_HOME": str(home), "STEPSTREAM_API_PORT": "0"}
+    output = tmp_path / "up.out"
+    with output.open("wb") as out:
+        up = subprocess.Popen([sys.executable, "-m", "stepstream", "up"], env=env, cwd=tmp_path,
+                              stdout=out, stderr=subprocess.STDOUT)
+    try:
+        state = wait_until_up(home, up, timeout_s=150)
+        for command in (["up"], ["demo", "--tasks", "1"]):
+            done = subprocess.run([sys.executable, "-m", "stepstream", *command], env=env, cwd=tmp_path,
+                                  capture_output=True, text=True, timeout=60, check=False)
+            assert done.returncode == 1 and done.stderr.splitlines() == [
+                f"stepstream: a system is already up in {home} (stepstream up, pid {up.pid}, dashboard "
+                f"{state['api_url']}): stop it first (Ctrl-C where it runs, or kill -TERM {up.pid}), "
+                "or use another STEPSTREAM_HOME"], command
+        assert up.poll() is None and wait_until_up(home, up, timeout_s=1) == state
+    finally:
+        up.send_signal(signal.SIGTERM)
+        code = up.wait(timeout=150)
+    assert code == 0, output.read_text()

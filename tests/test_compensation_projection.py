@@ -143,7 +143,7 @@ def test_after_a_successful_retry_of_compensation_the_task_headlines_why_it_was_
     cause = (projected.store.task("retried") or {})["error"]
     stuck = projected(recover(stuck), timedelta(seconds=6))
     stuck = projected(recover(stuck), timedelta(seconds=12))
-    assert (projected.store.task("retried") or {})["error"].startswith("charge: failure threshold reached")
+    assert (projected.store.task("retried") or {})["error"].startswith("ship: failure threshold reached")
     state = projected(OperatorCommand(task_id="retried", command_id="again", action="retry-compensation"),
                       timedelta(seconds=13))
     assert (projected.store.task("retried") or {})["error"] == cause

@@ -604,7 +604,9 @@ class OrdersService:
             raise ProblemError(422, "invalid_body", f"body is not valid JSON: {exc}") from None
         if not isinstance(body, dict):
             raise ProblemError(422, "invalid_body", "body must be a JSON object")
-        order_id = validate_body(body)
+        # An undo needs only the order (and the resource ids it names): it must succeed whether or not the
+        # forward call ever landed, even when that call was refused for its quantity or amount.
+        order_id = _order_id(body) if op in FORWARD_OF else validate_body(body)
 
         async with self.lock:
             self._check_fence(op, key, attempt)

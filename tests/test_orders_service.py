@@ -415,6 +415,15 @@ def test_a_forward_call_delayed_in_the_service_while_its_undo_lands_applies_noth
     assert admin.records()["shipments"] == {}
 
 
+def test_an_undo_of_a_forward_call_refused_for_its_data_succeeds_with_nothing_to_undo(admin: OrdersAdmin) -> None:
+    """A compensation must be safe when the forward call never happened, whatever made it not happen."""
+    k = key()
+    bad = {**ORDER, "qty": 0}
+    assert admin.call("inventory/reserve", bad, idempotency_key=k, attempt=1).status_code == 422
+    undo = admin.call("inventory/release", bad, idempotency_key=f"{k}:undo", attempt=1, undoes_key=k)
+    assert undo.status_code == 200 and undo.json()["status"] == "nothing_to_release"
+
+
 def test_an_undoes_header_on_a_forward_operation_is_a_400_naming_it(admin: OrdersAdmin) -> None:
     answer = admin.call("inventory/reserve", ORDER, idempotency_key=key(), attempt=1, undoes_key="other")
     assert answer.status_code == 400

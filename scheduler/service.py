@@ -16,7 +16,6 @@ from __future__ import annotations
 import threading
 import uuid
 from datetime import UTC, datetime
-from typing import Any
 
 import structlog
 from confluent_kafka import TopicPartition
@@ -143,7 +142,8 @@ class Scheduler:
         """The agent request an attempt's start calls for: the step's own agent, or its compensation's."""
         step = self.registry.get(state.workflow, state.workflow_version).step(event.step)
         forward_key = idempotency_key(state.task_id, step.name)
-        undoes: dict[str, Any] = {}
+        undoes_key: str | None = None
+        undoes_attempt: int | None = None
         if isinstance(event, StepStarted):
             agent, key, data = step.agent, forward_key, state.step_input()
         else:
@@ -154,12 +154,12 @@ class Scheduler:
             data = state.compensation_input(event.step_index)
             # The undo names the forward key so the service tombstones it: no forward attempt still in
             # flight (or redelivered) can apply anything once the step is undone.
-            undoes = {"undoes_key": forward_key, "undoes_attempt": state.steps[event.step_index].attempt}
+            undoes_key, undoes_attempt = forward_key, state.steps[event.step_index].attempt
         self._ensure_topic(TopicSpec(self.layout.agent(agent), self.layout.partitions))
         output.send(self.layout.agent(agent), AgentRequest(
             task_id=state.task_id, step=event.step, attempt=event.attempt, attempt_id=event.attempt_id,
             idempotency_key=key, complete_by=event.complete_by, calls_allowed=event.calls_allowed, input=data,
-            **undoes,
+            undoes_key=undoes_key, undoes_attempt=undoes_attempt,
         ))
 
     def _reply_topic(self, state: TaskState, command: Message) -> str | None:

@@ -361,6 +361,7 @@ class OrdersAdmin:
         operation: Operation | None = None,
         *,
         latency_ms: int = 0,
+        latency_jitter_ms: int = 0,
         error_rate: float = 0.0,
         throttle_rate: float = 0.0,
         retry_after_s: int = 1,
@@ -374,6 +375,7 @@ class OrdersAdmin:
         payload = {
             "operation": operation,
             "latency_ms": latency_ms,
+            "latency_jitter_ms": latency_jitter_ms,
             "error_rate": error_rate,
             "throttle_rate": throttle_rate,
             "retry_after_s": retry_after_s,

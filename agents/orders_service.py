@@ -122,6 +122,9 @@ class FaultConfig(BaseModel):
 
     operation: Operation | None = None
     latency_ms: int = Field(default=0, ge=0, le=600_000)
+    #: Each request's latency is drawn uniformly from [latency_ms, latency_ms + latency_jitter_ms]: a spread
+    #: straddling a caller's timeout makes some calls land after the caller gave up (an unknown outcome).
+    latency_jitter_ms: int = Field(default=0, ge=0, le=600_000)
     error_rate: float = Field(default=0.0, ge=0.0, le=1.0)
     throttle_rate: float = Field(default=0.0, ge=0.0, le=1.0)
     retry_after_s: int = Field(default=1, ge=0, le=3600)
@@ -520,6 +523,8 @@ class OrdersService:
             )
         elif error_draw < cfg.error_rate:
             failure = Failure(503, {"error": "unavailable", "detail": "injected transient error"})
+        if cfg.latency_jitter_ms:  # drawn last, and only when asked for, so seeded runs without it stay the same
+            latency_s += self.rng.uniform(0, cfg.latency_jitter_ms) / 1000.0
         return FaultDecision(latency_s=latency_s, failure=failure)
 
     def set_faults(self, config: FaultConfig) -> JSON:

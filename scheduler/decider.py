@@ -214,6 +214,11 @@ class TaskState:
         """
         return [step.name for step in reversed(self.steps) if step.status in _MAY_BE_APPLIED]
 
+    def not_undone(self, workflow: Workflow) -> list[str]:
+        """The steps whose effect may still be held, in undo order: started, with an undo not yet done."""
+        return [step.name for step in reversed(self.steps)
+                if step.status in _UNDO_CANDIDATES and workflow.step(step.name).compensation is not None]
+
     def undo_candidate(self) -> int | None:
         """The step to undo next: the last started one not yet undone (or whose undoing failed)."""
         for index in range(len(self.steps) - 1, -1, -1):
@@ -666,6 +671,7 @@ def _start_compensation_attempt(builder: _Builder, workflow: Workflow, index: in
     if allowed <= 0:
         _compensation_failed(
             builder,
+            workflow,
             spec.name,
             f"compensation budget exhausted: the compensation of step {spec.name!r} used {prior.calls_used} "
             f"of its {compensation.attempt_budget} calls",
@@ -699,7 +705,7 @@ def _on_compensation_result(builder: _Builder, workflow: Workflow, result: StepR
     if result.ok:
         _compensate_next(builder, workflow)
     elif result.permanent:
-        _compensation_failed(builder, current.name,
+        _compensation_failed(builder, workflow, current.name,
                              f"permanent failure of the compensation of step {current.name!r}: {error}")
     else:
         _retry_compensation_or_fail(builder, workflow, index)
@@ -728,6 +734,7 @@ def _retry_compensation_or_fail(builder: _Builder, workflow: Workflow, index: in
     if step.compensation.failure_count >= workflow.failure_threshold:
         _compensation_failed(
             builder,
+            workflow,
             step.name,
             f"failure threshold reached: {step.compensation.failure_count} failed attempts of the compensation "
             f"of step {step.name!r} (threshold {workflow.failure_threshold})",
@@ -736,9 +743,12 @@ def _retry_compensation_or_fail(builder: _Builder, workflow: Workflow, index: in
         _start_compensation_attempt(builder, workflow, index)
 
 
-def _compensation_failed(builder: _Builder, step: str, reason: str) -> None:
-    """A step cannot be undone: stop (undoing earlier steps first could break their order) and tell a person."""
-    builder.emit(TaskCompensationFailed, step=step, reason=reason)
+def _compensation_failed(builder: _Builder, workflow: Workflow, step: str, reason: str) -> None:
+    """A step cannot be undone: stop (undoing earlier steps first could break their order) and tell a person
+    exactly which steps may still hold something at their services."""
+    not_undone = builder.state.not_undone(workflow)
+    reason = f"{reason}; not undone, so possibly still held: {', '.join(not_undone)}"
+    builder.emit(TaskCompensationFailed, step=step, reason=reason, not_undone=not_undone)
     builder.emit(OperatorAlert, step=step, reason=reason)
 
 

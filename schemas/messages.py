@@ -218,10 +218,15 @@ class TaskCompensated(Event):
 
 
 class TaskCompensationFailed(Event):
-    """The compensation of ``step`` gave up: the task needs an operator (``retry-compensation``)."""
+    """The compensation of ``step`` gave up: the task needs an operator (``retry-compensation``).
+
+    ``not_undone`` names every step whose effect may still be held at its service, in the order an
+    operator's retry will undo them: ``step`` itself, then the earlier steps the compensation did not reach.
+    """
 
     step: str
     reason: str
+    not_undone: list[str] = Field(default_factory=list)
 
 
 # ---- operator events ----------------------------------------------------------------------------

@@ -59,9 +59,10 @@ class System:
             self.procs.wait_started(name)
 
     def restart(self, name: str, *, wait: bool = True) -> None:
-        """(Re)start one service by its name; with ``wait``, return once it handles SIGTERM."""
+        """(Re)start one service by its name (an agent's, e.g. ``payments-refund``, or scheduler, projector,
+        supervisor, with an optional ``-suffix``); with ``wait``, return once it handles SIGTERM."""
         kind = name.split("-")[0]
-        self.procs.service(name, *(("agent", name) if name in AGENTS else (kind,)))
+        self.procs.service(name, *(("agent", name) if kind in AGENTS else (kind,)))
         if wait:
             self.procs.wait_started(name)
 
@@ -101,6 +102,16 @@ class System:
             except sqlite3.OperationalError:
                 return None
             return dict(row) if row else None
+
+    def statuses(self) -> dict[str, str]:
+        """Every task's status in the state store, in one query."""
+        if not self.store_path.exists():
+            return {}
+        with sqlite3.connect(self.store_path, timeout=10) as db:
+            try:
+                return dict(db.execute("select task_id, status from tasks").fetchall())
+            except sqlite3.OperationalError:
+                return {}
 
     def wait_terminal(self, task_ids: Iterable[str], timeout_s: float = 60.0) -> dict[str, str]:
         ids = list(task_ids)

@@ -274,7 +274,7 @@ def test_a_transient_compensation_failure_below_the_threshold_retries_with_the_n
     assert after is not None and current(after).compensation.failure_count == 1
 
 
-def test_a_permanent_compensation_failure_stops_undoing_with_an_alert_naming_the_step() -> None:
+def test_a_permanent_compensation_failure_stops_undoing_with_an_alert_naming_every_step_possibly_held() -> None:
     state = compensating()
     state = apply(ok(state), state)  # ship undone: charge's compensation is in progress
     decision, after = run(failure(state, permanent=True, error="refund refused"), state)
@@ -282,7 +282,9 @@ def test_a_permanent_compensation_failure_stops_undoing_with_an_alert_naming_the
     task_failed, alert = decision.events[1:]
     assert isinstance(task_failed, TaskCompensationFailed) and task_failed.step == "charge"
     assert "refund refused" in task_failed.reason
+    assert task_failed.not_undone == ["charge", "reserve"], "the refused undo, then the undoable step it did not reach"
     assert isinstance(alert, OperatorAlert) and alert.step == "charge"
+    assert alert.reason.endswith("possibly still held: charge, reserve")
     assert after is not None and after.status == "compensation_failed" and after.is_terminal
     assert [s.status for s in after.steps] == ["succeeded", "succeeded", "compensation_failed", "compensated"], \
         "the earlier steps stay as they were: nothing is undone out of order"

@@ -54,6 +54,7 @@ from schemas.messages import (
     StepStarted,
     SubmitTask,
     TaskAccepted,
+    TaskCompensationFailed,
     TaskRejected,
 )
 
@@ -345,6 +346,19 @@ class DeciderMachine(RuleBasedStateMachine):
                 has_undo = workflow.step(step.name).compensation is not None
                 assert step.status == ("compensated" if has_undo else "compensation_skipped"), \
                     f"step {step.name!r} of compensated task {task!r} is {step.status}"
+
+    @invariant()
+    def a_failed_compensation_names_exactly_the_started_steps_not_undone(self) -> None:
+        for task, state in self.states.items():
+            if state is None or state.status != "compensation_failed":
+                continue
+            history = self.histories[task]
+            undone = {e.step for e in history if isinstance(e, StepCompensated | StepCompensationSkipped)}
+            failed = [e for e in history if isinstance(e, TaskCompensationFailed)][-1]
+            workflow = REGISTRY.get(state.workflow, state.workflow_version)
+            expected = [step for step in reversed(_started_steps(history))
+                        if step not in undone and workflow.step(step).compensation is not None]
+            assert failed.not_undone == expected, f"{task}: the alert names what may still be held"
 
     @invariant()
     def late_results_name_attempts_started_earlier_in_the_history(self) -> None:

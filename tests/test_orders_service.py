@@ -242,6 +242,17 @@ def test_latency_is_applied_before_answering(admin: OrdersAdmin) -> None:
     assert 0.29 <= elapsed < 3.0
 
 
+def test_latency_jitter_spreads_answers_over_the_range_so_some_land_after_a_caller_gave_up(admin: OrdersAdmin) -> None:
+    admin.set_faults(latency_ms=100, latency_jitter_ms=400)
+    elapsed = []
+    for _ in range(12):
+        started = time.monotonic()
+        assert admin.call("inventory/reserve", ORDER, idempotency_key=key(), attempt=1).status_code == 200
+        elapsed.append(time.monotonic() - started)
+    assert all(0.099 <= e < 3.0 for e in elapsed)
+    assert max(elapsed) - min(elapsed) > 0.1, f"answer times spread over the jitter: {elapsed}"
+
+
 def test_hang_holds_until_client_times_out_and_applies_nothing(admin: OrdersAdmin) -> None:
     k = key()
     admin.set_faults("payments/charge", hang=True)

@@ -94,5 +94,10 @@ ORDERS_PATIENT = Workflow(
 ORDERS_ONCE = Workflow(name="orders-once", version=1, steps=_compensated_order_steps(), failure_threshold=1,
                        escalation="compensate")
 
+# Five failed attempts before giving up (tests/test_undo_chaos.py): enough for a compensation to outlast a
+# SIGKILLed agent's partitions waiting out its consumer session (10 s) before a restarted agent takes them.
+ORDERS_CHAOS = Workflow(name="orders-chaos", version=1, steps=_compensated_order_steps(), failure_threshold=5,
+                        escalation="compensate")
+
 COMPENSATION_REGISTRY = WorkflowRegistry.of([ORDERS_V1, ORDERS_V2, ORDERS_COMP, ORDERS_HOLD, ORDERS_PATIENT,
-                                             ORDERS_ONCE])
+                                             ORDERS_ONCE, ORDERS_CHAOS])

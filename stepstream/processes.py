@@ -24,6 +24,8 @@ class ServiceProcesses:
     # Where each process's output starts in its log file: logs are appended to across runs and restarts,
     # and a marker an earlier run logged must not pass for this one's.
     _log_start: dict[str, int] = field(default_factory=dict)
+    # How each process was started, so it can be started again the same way.
+    _commands: dict[str, tuple[tuple[str, ...], Mapping[str, str] | None]] = field(default_factory=dict)
 
     def start(self, name: str, *args: str, env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
         """Start ``python -m <args>`` under ``name`` (``env``: variables of its own on top of the group's); a
@@ -37,7 +39,13 @@ class ServiceProcesses:
             proc = subprocess.Popen([sys.executable, "-m", *args], env={**self.env, **(env or {})}, stdout=log,
                                     stderr=subprocess.STDOUT, cwd=self.cwd)
         self.procs[name] = proc
+        self._commands[name] = (args, env)
         return proc
+
+    def start_again(self, name: str) -> subprocess.Popen[bytes]:
+        """Start ``name`` as it was started last time (it must have exited)."""
+        args, env = self._commands[name]
+        return self.start(name, *args, env=env)
 
     def service(self, name: str, *args: str, env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
         """Start a ``stepstream run ...`` service."""

@@ -2,8 +2,9 @@
 
 It starts the local broker if no cluster is configured, the demo's order service, and every service as
 its own process (projector, scheduler, one agent per agent the workflows name, supervisor, and the API
-with the dashboard on STEPSTREAM_API_PORT, or a free port when that one is taken), then waits.
-On SIGTERM it drains them newest first and reports each exit code.
+with the dashboard on STEPSTREAM_API_PORT, or a free port when that one is taken), then watches them: one
+that dies is started again after a back-off, one that keeps dying stops everything with exit 1
+(``stepstream.restarts``). On SIGTERM it drains them newest first and reports each exit code.
 """
 
 from __future__ import annotations
@@ -13,10 +14,13 @@ import os
 import re
 import socket
 import subprocess
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from confluent_kafka.admin import AdminClient
+from rich.console import Console
 
 from agents.orders_client import ServiceProcess
 from agents.shipped import ORDER_OPERATIONS
@@ -30,6 +34,7 @@ from eventstore.topics import TopicLayout, ensure_topics
 from projections.settings import ApiSettings
 from scheduler.settings import SchedulerSettings
 from stepstream.processes import ServiceProcesses, child_env
+from stepstream.restarts import RestartPolicy, RestartSettings
 
 READY_MARKER = "stepstream is up"
 API_MARKER = "api listening on"
@@ -91,7 +96,7 @@ def run_up(service_port: int | None = None) -> int:
     procs = ServiceProcesses(child_env(STEPSTREAM_BOOTSTRAP_SERVERS=bootstrap, STEPSTREAM_HOME=str(home),
                                        STEPSTREAM_AGENT_SERVICE_URL=service.base_url), logs)
     names = [*services, "api"]
-    dead: list[str] = []
+    gave_up: str | None = None
     try:
         for name in services:
             procs.service(name, *(("agent", name) if name in agents else (name,)),
@@ -101,30 +106,66 @@ def run_up(service_port: int | None = None) -> int:
             procs.wait_started(name)
         procs.wait_started("api", API_MARKER)
         api_url = re.findall(API_MARKER + r" (http://\S+)", procs.log("api"))[0]
-        written = up_state_file(home).with_suffix(".tmp")  # then renamed: a reader never sees half a file
-        written.write_text(json.dumps({
-            "pid": os.getpid(), "bootstrap": bootstrap, "service_url": service.base_url, "topic_prefix": layout.prefix,
-            "api_url": api_url, "pids": {name: proc.pid for name, proc in procs.procs.items()},
-            "metrics_ports": metrics,
-        }))
-        written.replace(up_state_file(home))
+        state = {"pid": os.getpid(), "bootstrap": bootstrap, "service_url": service.base_url,
+                 "topic_prefix": layout.prefix, "api_url": api_url, "metrics_ports": metrics}
+        _write_state(home, state, procs, service)
         console.print(f"{READY_MARKER}: kafka {bootstrap}, order service {service.base_url}, "
                       f"dashboard and API {api_url}, services {', '.join(names)}; logs in {logs}",
                       highlight=False)
         if metrics:
             console.print("metrics (STEPSTREAM_METRICS_PORT, one port each): " + ", ".join(
                 f"{name} http://127.0.0.1:{port}/metrics" for name, port in metrics.items()), highlight=False)
-        while not stop.wait(0.5):
-            dead = [name for name in names if not procs.alive(name)]
-            if dead:
-                console.print(f"[red]{', '.join(dead)} exited unexpectedly; stopping everything[/red]")
-                break
+        gave_up = _supervise(stop, procs, service, RestartPolicy(RestartSettings()),
+                             lambda: _write_state(home, state, procs, service), console)
     finally:
         codes = procs.terminate_all()
-        service.stop()
+        codes[ORDER_SERVICE] = service.stop() or 0
         up_state_file(home).unlink(missing_ok=True)
     console.print("stopped: " + ", ".join(f"{name} exit {code}" for name, code in codes.items()), highlight=False)
-    return 0 if not dead and all(code == 0 for code in codes.values()) else 1
+    return 0 if gave_up is None and all(code == 0 for code in codes.values()) else 1
+
+
+ORDER_SERVICE = "orders-service"
+
+
+def _supervise(stop: threading.Event, procs: ServiceProcesses, service: ServiceProcess, policy: RestartPolicy,
+               on_restart: Callable[[], None], console: Console) -> str | None:
+    """Until SIGTERM: start every service that died again, after the policy's back-off; the name of one
+    that keeps dying (then everything stops), or None once asked to stop."""
+    due: dict[str, float] = {}  # service -> when it starts again
+
+    def alive(name: str) -> bool:
+        return service.running if name == ORDER_SERVICE else procs.alive(name)
+
+    while not stop.wait(0.2):
+        now = time.monotonic()
+        for name in [n for n in (ORDER_SERVICE, *procs.procs) if n not in due and not alive(n)]:
+            delay = policy.on_death(name)
+            if delay is None:
+                console.print(f"[red]{name} died {policy.recent_deaths(name)} times within "
+                              f"{policy.settings.restart_window_s:g}s: it keeps crashing, so up stops everything; "
+                              f"see its log {procs.log_dir / (name + '.log')}[/red]")
+                return name
+            console.print(f"[yellow]{name} exited unexpectedly; starting it again in {delay:.1f}s[/yellow]")
+            due[name] = now + delay
+        for name in [n for n, at in due.items() if at <= now]:
+            del due[name]
+            if name == ORDER_SERVICE:
+                service.start()
+            else:
+                procs.start_again(name)
+            console.print(f"{name} started again", highlight=False)
+            on_restart()
+    return None
+
+
+def _write_state(home: Path, state: dict[str, object], procs: ServiceProcesses, service: ServiceProcess) -> None:
+    """``up.json``: how to reach the running system, with every process's current pid (renamed into place,
+    so a reader never sees half a file)."""
+    pids = {name: proc.pid for name, proc in procs.procs.items()} | {ORDER_SERVICE: service.pid}
+    written = up_state_file(home).with_suffix(".tmp")
+    written.write_text(json.dumps({**state, "pids": pids}))
+    written.replace(up_state_file(home))
 
 
 def metrics_ports(services: list[str], base: int | None) -> dict[str, int]:

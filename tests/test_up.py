@@ -3,6 +3,8 @@ from a folder where nothing was created before, stopped by SIGTERM."""
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import socket
 import subprocess
@@ -13,25 +15,41 @@ import httpx
 import pytest
 
 from stepstream.up import READY_MARKER, wait_until_up
+from tests.kafka_helpers import wait_for
 
 pytestmark = pytest.mark.kafka
 
 
-def test_up_in_a_fresh_clone_creates_its_folders_starts_everything_and_stops_cleanly(
+def start_up(env: dict[str, str], cwd: Path, output: Path) -> subprocess.Popen[bytes]:
+    with output.open("wb") as out:
+        return subprocess.Popen([sys.executable, "-m", "stepstream", "up"], env=env, cwd=cwd,
+                                stdout=out, stderr=subprocess.STDOUT)
+
+
+def test_up_in_a_fresh_clone_starts_everything_restarts_a_killed_service_and_the_run_completes(
     test_env: dict[str, str], tmp_path: Path,
 ) -> None:
     home = tmp_path / "fresh" / ".stepstream"
     env = {**test_env, "STEPSTREAM_HOME": str(home), "STEPSTREAM_API_PORT": "0"}
     output = tmp_path / "up.out"
-    with output.open("wb") as out:
-        up = subprocess.Popen([sys.executable, "-m", "stepstream", "up"], env=env, cwd=tmp_path,
-                              stdout=out, stderr=subprocess.STDOUT)
+    up = start_up(env, tmp_path, output)
     try:
         state = wait_until_up(home, up, timeout_s=150)
         assert READY_MARKER in output.read_text()
         pids = state["pids"]
         assert isinstance(pids, dict) and {"projector", "scheduler", "supervisor", "api"} <= set(pids)
         assert (home / "logs" / "orders-service.log").exists() and (home / "logs" / "scheduler.log").exists()
+
+        os.kill(pids["payments"], signal.SIGKILL)
+        assert wait_for(lambda: "payments started again" in output.read_text(), timeout_s=60), output.read_text()
+        assert "payments exited unexpectedly; starting it again in 0.5s" in output.read_text()
+        order = {"order_id": "after-kill", "sku": "A-1", "qty": 1, "amount": 10}
+        submitted = subprocess.run([sys.executable, "-m", "stepstream", "submit", "orders", "--input",
+                                    json.dumps(order), "--task-id", "after-kill", "--wait"], env=env, cwd=tmp_path,
+                                   capture_output=True, text=True, timeout=150, check=False)
+        assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+        restarted = json.loads((home / "up.json").read_text())["pids"]["payments"]
+        assert restarted != pids["payments"], "up.json names the running process"
     finally:
         up.send_signal(signal.SIGTERM)
         code = up.wait(timeout=150)
@@ -39,6 +57,30 @@ def test_up_in_a_fresh_clone_creates_its_folders_starts_everything_and_stops_cle
     assert "Traceback" not in text and code == 0, text
     stopped = next(line for line in text.splitlines() if line.startswith("stopped:"))
     assert stopped.count("exit 0") == len(pids), stopped
+
+
+def test_up_stops_everything_with_exit_1_naming_a_service_that_keeps_crashing(
+    test_env: dict[str, str], tmp_path: Path,
+) -> None:
+    home = tmp_path / ".stepstream"
+    env = {**test_env, "STEPSTREAM_HOME": str(home), "STEPSTREAM_API_PORT": "0", "STEPSTREAM_UP_MAX_RESTARTS": "1"}
+    output = tmp_path / "up.out"
+    up = start_up(env, tmp_path, output)
+    try:
+        state = wait_until_up(home, up, timeout_s=150)
+        os.kill(state["pids"]["supervisor"], signal.SIGKILL)
+        assert wait_for(lambda: "supervisor started again" in output.read_text(), timeout_s=60), output.read_text()
+        assert wait_for(lambda: json.loads((home / "up.json").read_text())["pids"]["supervisor"]
+                        != state["pids"]["supervisor"], timeout_s=30)
+        os.kill(json.loads((home / "up.json").read_text())["pids"]["supervisor"], signal.SIGKILL)
+        code = up.wait(timeout=150)
+    finally:
+        if up.poll() is None:
+            up.kill()
+    text = output.read_text()
+    assert code == 1, text
+    assert "supervisor died 2 times within 60s: it keeps crashing, so up stops everything" in text
+    assert not (home / "up.json").exists() and "Traceback" not in text
 
 
 def test_up_with_a_metrics_port_gives_each_service_its_own_and_says_which(

@@ -5,6 +5,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
+# promtool checks and unit-tests the alert rules (deploy/prometheus); built once from the Go module proxy.
+PROMTOOL := $(HOME)/.cache/stepstream/bin/promtool
+PROMETHEUS_VERSION := v0.316.0
+
 .PHONY: install jars demo test lint broker-stop clean
 
 $(STAMP): pyproject.toml
@@ -22,7 +26,10 @@ jars: $(STAMP)
 demo: jars
 	$(VENV)/bin/stepstream demo
 
-test: jars
+$(PROMTOOL):
+	GOBIN=$(dir $(PROMTOOL)) GOFLAGS=-mod=mod go install github.com/prometheus/prometheus/cmd/promtool@$(PROMETHEUS_VERSION)
+
+test: jars $(PROMTOOL)
 	$(PY) -m pytest
 
 lint: $(STAMP)

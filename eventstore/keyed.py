@@ -38,6 +38,7 @@ import structlog
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 from confluent_kafka import Message as KafkaMessage
 
+from eventstore.health import HEALTH
 from eventstore.kafka_config import consume_available
 from eventstore.runtime import ConsumerRuntime, Record, _Revoked
 from eventstore.watermark import Watermark, decode_finished, encode_finished
@@ -97,6 +98,7 @@ class KeyedConsumerRuntime(ConsumerRuntime):
                                  on_lost=self._revoked_cb)
         try:
             while not self._stop.is_set():
+                HEALTH.beat()
                 for raw in self._fetch():
                     self._accept(raw)
                 self._maybe_store()

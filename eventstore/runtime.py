@@ -31,6 +31,7 @@ from prometheus_client import Counter, Histogram
 
 from eventstore.dlq import dlq_headers
 from eventstore.errors import InfrastructureError, PoisonMessageError
+from eventstore.health import HEALTH
 from eventstore.kafka_config import consume_available, consumer_config
 from eventstore.metrics import (
     CONSUMER_LAG,
@@ -176,6 +177,7 @@ class ConsumerRuntime:
         try:
             opened, handled = 0.0, 0
             while not self._stop.is_set():
+                HEALTH.beat()
                 growing = bool(self._done)
                 room = self.settings.batch_size - handled if growing else self.settings.batch_size
                 batch = consume_available(self._consumer, room, 0 if growing else self.settings.poll_timeout_s)

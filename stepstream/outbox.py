@@ -45,6 +45,7 @@ from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from eventstore.errors import InfrastructureError, StepstreamError
+from eventstore.health import HEALTH, serve_health
 from eventstore.producer import EventProducer
 from projections.settings import StoreSettings, StoreSpec
 from scheduler.settings import SchedulerSettings
@@ -325,6 +326,7 @@ class OutboxRelay:
         log.info("outbox relay running", schema=self.schema, topic=self.topic, batch_size=self.settings.batch_size)
         backoff = 0.2
         while not self.stop.is_set():
+            HEALTH.beat()
             try:
                 count = self.relay_once()
                 if time.monotonic() >= self._next_gauge:
@@ -419,8 +421,6 @@ def _status(args: argparse.Namespace, settings: OutboxSettings, dsn: str) -> int
 
 def _relay(args: argparse.Namespace, settings: OutboxSettings, dsn: str) -> int:
     # Signals before connecting (a SIGTERM during start-up drains too), as every service process does.
-    from prometheus_client import start_http_server
-
     from eventstore.logs import configure_logging
     from eventstore.settings import ConsumerSettings, KafkaSettings, ObservabilitySettings
     from eventstore.shutdown import GracefulShutdown
@@ -430,7 +430,7 @@ def _relay(args: argparse.Namespace, settings: OutboxSettings, dsn: str) -> int:
     observability = ObservabilitySettings()
     configure_logging(observability.log_level, observability.log_json)
     if observability.metrics_port is not None:
-        start_http_server(observability.metrics_port, addr="127.0.0.1")
+        serve_health(observability.metrics_port)
     log.info("service starting", service="outbox relay")
     kafka = KafkaSettings()
     with OutboxRelay(settings, bootstrap=kafka.resolved_bootstrap(), topic=TopicLayout.from_settings(kafka).inbox,

@@ -6,9 +6,9 @@ import threading
 from typing import TYPE_CHECKING
 
 import structlog
-from prometheus_client import start_http_server
 
 from eventstore.errors import StepstreamError
+from eventstore.health import HEALTH, serve_health
 from eventstore.logs import configure_logging
 from eventstore.settings import ConsumerSettings, KafkaSettings, ObservabilitySettings
 from eventstore.shutdown import GracefulShutdown
@@ -20,13 +20,20 @@ if TYPE_CHECKING:
 def _prepare(service: str) -> tuple[KafkaSettings, ConsumerSettings, threading.Event]:
     consumer = ConsumerSettings()
     stop = GracefulShutdown(consumer.drain_timeout_s).install().event
+    threading.Thread(target=_unready_on, args=(stop,), name="readiness", daemon=True).start()
     observability = ObservabilitySettings()
     configure_logging(observability.log_level, observability.log_json)
     if observability.metrics_port is not None:
-        start_http_server(observability.metrics_port, addr="127.0.0.1")
+        serve_health(observability.metrics_port)
     # From this line on, SIGTERM drains the service (the start-up scripts and tests wait for it).
     structlog.get_logger("stepstream").info("service starting", service=service)
     return KafkaSettings(), consumer, stop
+
+
+def _unready_on(stop: threading.Event) -> None:
+    """SIGTERM: the service drains, and says so on ``/readyz`` at once."""
+    stop.wait()
+    HEALTH.draining()
 
 
 def run_scheduler() -> int:

@@ -25,6 +25,7 @@ import structlog
 from confluent_kafka import Consumer, TopicPartition
 from prometheus_client import Counter, Gauge
 
+from eventstore.health import HEALTH
 from eventstore.kafka_config import connection_config
 from eventstore.producer import EventProducer
 from eventstore.settings import KafkaSettings
@@ -73,6 +74,7 @@ class Supervisor:
         next_scan = 0.0
         try:
             while not self._stop.is_set():
+                HEALTH.beat()
                 self._lease.consume(1, 0.1)  # keeps the membership (and so the lease) alive
                 if self.leader and time.monotonic() >= next_scan:
                     self.scan()

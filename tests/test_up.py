@@ -83,7 +83,7 @@ def test_up_stops_everything_with_exit_1_naming_a_service_that_keeps_crashing(
     assert not (home / "up.json").exists() and "Traceback" not in text
 
 
-def test_up_with_a_metrics_port_gives_each_service_its_own_and_says_which(
+def test_up_with_a_metrics_port_gives_each_service_its_own_with_health_probes_and_says_which(
     test_env: dict[str, str], tmp_path: Path,
 ) -> None:
     home = tmp_path / ".stepstream"
@@ -101,6 +101,10 @@ def test_up_with_a_metrics_port_gives_each_service_its_own_and_says_which(
         for name, port in ports.items():
             assert f"{name} http://127.0.0.1:{port}/metrics" in said
             assert "python_info" in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+            assert httpx.get(f"http://127.0.0.1:{port}/livez", timeout=10).status_code == 200, name
+            readyz = f"http://127.0.0.1:{port}/readyz"
+            assert wait_for(lambda url=readyz: httpx.get(url, timeout=10).status_code == 200,
+                            timeout_s=30), f"{name} is ready once its loop turns"
     finally:
         up.send_signal(signal.SIGTERM)
         code = up.wait(timeout=150)

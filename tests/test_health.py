@@ -1,0 +1,69 @@
+"""``/livez`` and ``/readyz`` beside ``/metrics``: what an orchestrator's probes hear from a service, over real HTTP."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from eventstore.health import Health, serve_health
+
+Probed = tuple[Health, "Clock", httpx.Client]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def probed() -> Iterator[tuple[Health, Clock, httpx.Client]]:
+    clock = Clock()
+    health = Health(stall_after_s=30, clock=clock)
+    server = serve_health(0, health=health)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{server.server_port}", timeout=10) as client:
+            yield health, clock, client
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def answer(client: httpx.Client, path: str) -> tuple[int, str]:
+    response = client.get(path)
+    return response.status_code, response.json()["reason"]
+
+
+def test_a_starting_service_is_alive_but_not_ready_until_its_loop_turns(probed: Probed) -> None:
+    health, _clock, client = probed
+    assert answer(client, "/livez") == (200, "starting")
+    assert answer(client, "/readyz") == (503, "starting")
+    health.beat()
+    assert answer(client, "/readyz") == (200, "main loop turning")
+
+
+def test_a_draining_service_is_no_longer_ready_but_still_alive(probed: Probed) -> None:
+    health, _clock, client = probed
+    health.beat()
+    health.draining()
+    assert answer(client, "/readyz") == (503, "draining")
+    assert answer(client, "/livez")[0] == 200, "an orchestrator must not kill it mid-drain"
+
+
+def test_a_loop_that_stopped_turning_fails_the_liveness_probe(probed: Probed) -> None:
+    health, clock, client = probed
+    health.beat()
+    clock.now += 31
+    status, reason = answer(client, "/livez")
+    assert status == 503 and reason == "main loop has not turned for 31s (limit 30s)"
+    assert answer(client, "/readyz")[0] == 503
+
+
+def test_the_same_port_still_serves_prometheus_metrics(probed: Probed) -> None:
+    _health, _clock, client = probed
+    response = client.get("/metrics")
+    assert response.status_code == 200 and "python_info" in response.text

@@ -2,7 +2,7 @@
 
 Run by hand from the project folder::
 
-    .venv/bin/python benchmarks/agent_calls.py [--calls N] [--concurrency N] [--latency-ms MS]
+    .venv/bin/python -m benchmarks.agent_calls [--calls N] [--concurrency N] [--latency-ms MS]
 
 It starts the order service (a process of its own, ``--latency-ms`` per answer) and makes ``--calls``
 POSTs to it with at most ``--concurrency`` in flight, three ways, one after the other:
@@ -28,21 +28,16 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
 
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parent))
-
-from agents.http import http_post_handler, pooled_client, request_body  # noqa: E402
-from agents.orders_client import ServiceProcess  # noqa: E402
-from agents.runtime import Agent  # noqa: E402
-from eventstore.logs import configure_logging  # noqa: E402
-from schemas.messages import AgentRequest  # noqa: E402
+from agents.http import http_post_handler, pooled_client, request_body
+from agents.orders_client import ServiceProcess
+from agents.runtime import Agent
+from eventstore.logs import configure_logging
+from schemas.messages import AgentRequest
 
 PATH = "inventory/reserve"
 

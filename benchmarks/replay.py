@@ -2,7 +2,7 @@
 
 Run by hand from the project folder::
 
-    .venv/bin/python benchmarks/replay.py [--events 1000000] [--skip-postgres] [--postgres-url URL]
+    .venv/bin/python -m benchmarks.replay [--events 1000000] [--skip-postgres] [--postgres-url URL]
 
 The broker is the one named by STEPSTREAM_BOOTSTRAP_SERVERS, else the project's local broker (started if
 needed and left running). PostgreSQL is the server named by --postgres-url, else a throwaway cluster made
@@ -44,18 +44,17 @@ from confluent_kafka.admin import AdminClient
 from rich.console import Console
 from rich.table import Table
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from eventstore.broker import LocalBroker
+from eventstore.kafka_config import consume_available, producer_config
+from eventstore.settings import KafkaSettings
+from eventstore.topics import TopicLayout, ensure_topics
+from projections.rows import project
+from projections.store import Positioned, SqliteStore
+from schemas.codec import default_codec
+from schemas.messages import Event
+from tests.histories import histories
 
-from eventstore.broker import LocalBroker  # noqa: E402
-from eventstore.kafka_config import consume_available, producer_config  # noqa: E402
-from eventstore.settings import KafkaSettings  # noqa: E402
-from eventstore.topics import TopicLayout, ensure_topics  # noqa: E402
-from projections.rows import project  # noqa: E402
-from projections.store import Positioned, SqliteStore  # noqa: E402
-from schemas.codec import default_codec  # noqa: E402
-from schemas.messages import Event  # noqa: E402
-from tests.histories import histories  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 PARTITIONS = 3
 TARGET = 0.5  # rebuild into SQLite vs raw consume

@@ -2,7 +2,7 @@
 
 Run by hand from the project folder::
 
-    .venv/bin/python benchmarks/submit.py [--tasks N] [--concurrency 1,4,16] [--keep-topics]
+    .venv/bin/python -m benchmarks.submit [--tasks N] [--concurrency 1,4,16] [--keep-topics]
 
 The broker is the one named by STEPSTREAM_BOOTSTRAP_SERVERS, else the project's local broker (started if
 needed and left running). Every run uses fresh topics under a unique prefix (deleted at the end unless
@@ -68,29 +68,24 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, To
 from rich.console import Console
 from rich.table import Table
 
-# Run as a script, this file's folder comes first on sys.path: put the project root there instead, so the
-# project's packages are found (and ``benchmarks/eventstore.py`` never shadows the ``eventstore`` package).
-_HERE = Path(__file__).resolve().parent
-ROOT = _HERE.parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.shared import (  # noqa: E402
+from benchmarks.shared import (
     create_fresh_topics,
     delete_topics,
     quiet_stderr,
     resolve_bootstrap,
     run_facts,
 )
-from benchmarks.workflow import machine_cpu_s, percentile, process_cpu_s  # noqa: E402
-from eventstore.kafka_config import producer_config  # noqa: E402
-from eventstore.logs import configure_logging  # noqa: E402
-from eventstore.settings import KafkaSettings  # noqa: E402
-from eventstore.topics import TopicLayout, TopicSpec  # noqa: E402
-from schemas.codec import default_codec  # noqa: E402
-from schemas.messages import SubmitTask, TaskAccepted  # noqa: E402
-from stepstream.client import Client, build_submission  # noqa: E402
-from stepstream.processes import ServiceProcesses, child_env  # noqa: E402
+from benchmarks.workflow import machine_cpu_s, percentile, process_cpu_s
+from eventstore.kafka_config import producer_config
+from eventstore.logs import configure_logging
+from eventstore.settings import KafkaSettings
+from eventstore.topics import TopicLayout, TopicSpec
+from schemas.codec import default_codec
+from schemas.messages import SubmitTask, TaskAccepted
+from stepstream.client import Client, build_submission
+from stepstream.processes import ServiceProcesses, child_env
+
+ROOT = Path(__file__).resolve().parent.parent
 
 WORKFLOW, VERSION = "orders", 1
 AGENTS = ("inventory", "payments", "shipping")  # their topics exist (the scheduler dispatches there); no agent runs

@@ -2,8 +2,8 @@
 
 Run by hand from the project folder::
 
-    .venv/bin/python benchmarks/workflow.py [--tasks N] [--latency-ms MS] [--concurrency N] [--system-only]
-                                            [--profile-scheduler [PATH]]
+    .venv/bin/python -m benchmarks.workflow [--tasks N] [--latency-ms MS] [--concurrency N] [--system-only]
+                                           [--profile-scheduler [PATH]]
 
 The broker is the one named by STEPSTREAM_BOOTSTRAP_SERVERS, else the project's local broker (started if
 needed and left running). Every run uses fresh topics under a unique prefix (deleted at the end unless
@@ -72,15 +72,8 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, To
 from rich.console import Console
 from rich.table import Table
 
-# Run as a script, this file's folder comes first on sys.path: put the project root there instead, so the
-# project's packages are found (and ``benchmarks/eventstore.py`` never shadows the ``eventstore`` package).
-_HERE = Path(__file__).resolve().parent
-ROOT = _HERE.parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(ROOT))
-
-from agents.orders_client import Arrival, ServiceProcess  # noqa: E402
-from benchmarks.shared import (  # noqa: E402
+from agents.orders_client import Arrival, ServiceProcess
+from benchmarks.shared import (
     create_fresh_topics,
     delete_topics,
     message_count,
@@ -89,19 +82,19 @@ from benchmarks.shared import (  # noqa: E402
     run_facts,
     short_filename,
 )
-from eventstore.kafka_config import (  # noqa: E402
+from eventstore.kafka_config import (
     consume_available,
     consumer_config,
     producer_config,
     transactional_config,
 )
-from eventstore.logs import configure_logging  # noqa: E402
-from eventstore.producer import EventProducer  # noqa: E402
-from eventstore.replay import ReplayReader  # noqa: E402
-from eventstore.settings import ConsumerSettings, KafkaSettings  # noqa: E402
-from eventstore.topics import TopicLayout, TopicSpec  # noqa: E402
-from schemas.codec import Codec, default_codec  # noqa: E402
-from schemas.messages import (  # noqa: E402
+from eventstore.logs import configure_logging
+from eventstore.producer import EventProducer
+from eventstore.replay import ReplayReader
+from eventstore.settings import ConsumerSettings, KafkaSettings
+from eventstore.topics import TopicLayout, TopicSpec
+from schemas.codec import Codec, default_codec
+from schemas.messages import (
     MessageIgnored,
     StepFailed,
     StepResult,
@@ -113,7 +106,9 @@ from schemas.messages import (  # noqa: E402
     TaskFailed,
     TaskRejected,
 )
-from stepstream.processes import ServiceProcesses, child_env  # noqa: E402
+from stepstream.processes import ServiceProcesses, child_env
+
+ROOT = Path(__file__).resolve().parent.parent
 
 AGENTS = ("inventory", "payments", "shipping")
 SERVICES = ("projector", "scheduler", *AGENTS, "supervisor")

@@ -2,7 +2,7 @@
 
 Run by hand from the project folder::
 
-    .venv/bin/python benchmarks/eventstore.py [--messages N] [--profile]
+    .venv/bin/python -m benchmarks.event_store [--messages N] [--profile]
 
 The broker is the one named by STEPSTREAM_BOOTSTRAP_SERVERS, else the project's local broker (started
 if needed and left running). Every run writes to fresh topics (3 partitions) under a unique prefix and
@@ -47,13 +47,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, To
 from rich.console import Console
 from rich.table import Table
 
-# Run as a script, this file's folder comes first on sys.path, and this file is named like the package
-# it measures: put the project root there instead, so ``eventstore`` is the package, not this script.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parent))
-
-from benchmarks.shared import (  # noqa: E402
+from benchmarks.shared import (
     create_fresh_topics,
     delete_topics,
     message_count,
@@ -62,15 +56,17 @@ from benchmarks.shared import (  # noqa: E402
     run_facts,
     short_filename,
 )
-from eventstore.kafka_config import producer_config  # noqa: E402
-from eventstore.logs import configure_logging  # noqa: E402
-from eventstore.producer import EventProducer  # noqa: E402
-from eventstore.replay import ReplayReader  # noqa: E402
-from eventstore.runtime import ConsumerRuntime, Record  # noqa: E402
-from eventstore.settings import KafkaSettings  # noqa: E402
-from eventstore.topics import FOREVER, TopicSpec  # noqa: E402
-from schemas.codec import Codec, default_codec  # noqa: E402
-from schemas.messages import Event, OperatorAlert, StepStarted, now  # noqa: E402
+from eventstore.kafka_config import producer_config
+from eventstore.logs import configure_logging
+from eventstore.producer import EventProducer
+from eventstore.replay import ReplayReader
+from eventstore.runtime import ConsumerRuntime, Record
+from eventstore.settings import KafkaSettings
+from eventstore.topics import FOREVER, TopicSpec
+from schemas.codec import Codec, default_codec
+from schemas.messages import Event, OperatorAlert, StepStarted, now
+
+ROOT = Path(__file__).resolve().parent.parent
 
 PARTITIONS = 3
 CONSUME_BATCH = 500
@@ -381,7 +377,7 @@ def profile_rows(profiler: cProfile.Profile, top: int) -> tuple[float, list[tupl
     raw: dict[Any, Any] = stats.stats  # type: ignore[attr-defined]
     rows = []
     for (filename, line, name), (_cc, calls, tottime, cumtime, _callers) in raw.items():
-        where = name if filename == "~" else f"{short_filename(filename, _HERE.parent)}:{line}({name})"
+        where = name if filename == "~" else f"{short_filename(filename, ROOT)}:{line}({name})"
         rows.append((where, calls, tottime, cumtime))
     rows.sort(key=lambda r: r[2], reverse=True)
     return sum(r[2] for r in rows), rows[:top]

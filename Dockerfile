@@ -9,6 +9,7 @@ COPY scheduler scheduler
 COPY agents agents
 COPY supervisor supervisor
 COPY stepstream stepstream
+COPY demo demo
 RUN pip install --no-cache-dir .
 ENV STEPSTREAM_HOME=/data PYTHONUNBUFFERED=1
 ENTRYPOINT ["stepstream"]

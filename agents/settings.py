@@ -19,7 +19,7 @@ from agents.retry import RetryPolicy
 class AgentSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="STEPSTREAM_AGENT_", frozen=True, extra="ignore")
 
-    service_url: str = Field(default="http://127.0.0.1:8765", description="the order service the shipped agents call")
+    service_url: str = Field(default="http://127.0.0.1:8765", description="the order service the demo's agents call")
     call_timeout_s: float = Field(default=10.0, gt=0)
     initial_backoff_s: float = Field(default=0.1, gt=0)
     max_backoff_s: float = Field(default=5.0, gt=0)

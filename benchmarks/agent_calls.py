@@ -34,8 +34,8 @@ import httpx
 import orjson
 
 from agents.http import http_post_handler, pooled_client, request_body
-from agents.orders_client import ServiceProcess
 from agents.runtime import Agent
+from demo.orders_client import ServiceProcess
 from eventstore.logs import configure_logging
 from schemas.messages import AgentRequest
 

@@ -9,7 +9,7 @@ needed and left running). Every run uses fresh topics under a unique prefix (del
 ``--keep-topics``) and a fresh temporary folder for the state store and the service logs (kept, for reading).
 
 First the scheduler, the projector and ``stepstream serve api --port 0`` (with STEPSTREAM_API_TOKENS) start as
-processes (``ServiceProcesses``) on the run's topics, with the "orders" workflow of ``scheduler.examples``.
+processes (``ServiceProcesses``) on the run's topics, with the "orders" workflow of ``demo.workflows``.
 No agent runs and no supervisor: an admitted task waits on its first step's agent topic, so every task stays
 in flight, and both bounds (STEPSTREAM_API_MAX_IN_FLIGHT and STEPSTREAM_SCHEDULER_MAX_IN_FLIGHT) are set far
 above what a run submits. Then, with those processes up and idle, one after the other:
@@ -291,7 +291,7 @@ def service_env(bootstrap: str, layout: TopicLayout, folder: Path, token: str) -
     env = child_env(STEPSTREAM_BOOTSTRAP_SERVERS=bootstrap, STEPSTREAM_TOPIC_PREFIX=layout.prefix,
                     STEPSTREAM_PARTITIONS=str(layout.partitions), STEPSTREAM_HOME=str(folder),
                     STEPSTREAM_STORE_PATH=str(folder / "state.db"),
-                    STEPSTREAM_SCHEDULER_WORKFLOWS="scheduler.examples:REGISTRY",
+                    STEPSTREAM_SCHEDULER_WORKFLOWS="demo.workflows:REGISTRY",
                     STEPSTREAM_SCHEDULER_MAX_IN_FLIGHT=str(BOUND), STEPSTREAM_API_MAX_IN_FLIGHT=str(BOUND),
                     STEPSTREAM_API_TOKENS=orjson.dumps({"bench": token}).decode(), STEPSTREAM_LOG_JSON="true")
     for inherited in ("STEPSTREAM_METRICS_PORT", "STEPSTREAM_SCHEDULER_INSTANCE", "STEPSTREAM_STORE_URL"):

@@ -72,7 +72,6 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, To
 from rich.console import Console
 from rich.table import Table
 
-from agents.orders_client import Arrival, ServiceProcess
 from benchmarks.shared import (
     create_fresh_topics,
     delete_topics,
@@ -82,6 +81,7 @@ from benchmarks.shared import (
     run_facts,
     short_filename,
 )
+from demo.orders_client import Arrival, ServiceProcess
 from eventstore.kafka_config import (
     consume_available,
     consumer_config,
@@ -450,7 +450,7 @@ def service_env(bootstrap: str, layout: TopicLayout, folder: Path, service_url: 
     env = child_env(STEPSTREAM_BOOTSTRAP_SERVERS=bootstrap, STEPSTREAM_TOPIC_PREFIX=layout.prefix,
                     STEPSTREAM_PARTITIONS=str(layout.partitions), STEPSTREAM_HOME=str(folder),
                     STEPSTREAM_STORE_PATH=str(folder / "state.db"), STEPSTREAM_AGENT_SERVICE_URL=service_url,
-                    STEPSTREAM_SCHEDULER_WORKFLOWS="scheduler.examples:REGISTRY", STEPSTREAM_LOG_JSON="true")
+                    STEPSTREAM_SCHEDULER_WORKFLOWS="demo.workflows:REGISTRY", STEPSTREAM_LOG_JSON="true")
     for inherited in ("STEPSTREAM_METRICS_PORT", "STEPSTREAM_SCHEDULER_INSTANCE"):
         env.pop(inherited, None)  # one port for six processes would not do; nor a fixed transactional id
     return env

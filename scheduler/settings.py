@@ -13,7 +13,7 @@ from scheduler.workflow import WorkflowRegistry
 class SchedulerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="STEPSTREAM_SCHEDULER_", frozen=True, extra="ignore")
 
-    workflows: str = Field(default="scheduler.examples:REGISTRY", pattern=r"^[\w.]+:\w+$",
+    workflows: str = Field(default="demo.workflows:REGISTRY", pattern=r"^[\w.]+:\w+$",
                            description="module:attribute of the WorkflowRegistry to run")
     max_in_flight: int = Field(default=10_000, ge=1, description="admission bound per inbox partition")
     instance: str | None = Field(default=None, pattern=r"^[\w.-]+$",

@@ -56,7 +56,7 @@ def _topics(_args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from stepstream.demo import run_demo
+    from demo.run import run_demo
 
     if args.tasks < 1:
         raise SystemExit("stepstream demo: --tasks must be at least 1")

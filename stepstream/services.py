@@ -57,7 +57,7 @@ def run_agent(name: str) -> int:
     from agents.policy import FilePolicy, PolicyError
     from agents.runtime import build_agent
     from agents.settings import AgentSettings
-    from agents.shipped import shipped_agent
+    from demo.order_agents import shipped_agent
 
     kafka, consumer, stop = _prepare(f"agent {name}")
     settings = AgentSettings()

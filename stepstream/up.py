@@ -22,8 +22,8 @@ from pathlib import Path
 from confluent_kafka.admin import AdminClient
 from rich.console import Console
 
-from agents.orders_client import ServiceProcess
-from agents.shipped import ORDER_OPERATIONS
+from demo.order_agents import ORDER_OPERATIONS
+from demo.orders_client import ServiceProcess
 from eventstore.broker import LocalBroker
 from eventstore.console import command_console
 from eventstore.errors import StepstreamError

@@ -91,7 +91,7 @@ def test_env(bootstrap: str, layout: TopicLayout, tmp_path: Path) -> dict[str, s
 @pytest.fixture
 def system(bootstrap: str, layout: TopicLayout, test_env: dict[str, str], tmp_path: Path) -> Iterator[Any]:
     """A whole system (every service as a process, the order service over HTTP); nothing started yet."""
-    from agents.orders_client import ServiceProcess
+    from demo.orders_client import ServiceProcess
     from tests.system import System
 
     with ServiceProcess(log_path=tmp_path / "orders-service.log") as service:

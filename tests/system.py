@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from agents.orders_client import OrdersAdmin, ServiceProcess
+from demo.orders_client import OrdersAdmin, ServiceProcess
 from eventstore.producer import EventProducer
 from eventstore.replay import ReplayReader
 from eventstore.topics import TopicLayout

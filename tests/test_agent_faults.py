@@ -23,10 +23,10 @@ from structlog.testing import capture_logs
 from agents.breaker import BreakerPolicy
 from agents.budget import BudgetPolicy
 from agents.http import http_post_handler
-from agents.orders_client import Operation, OrdersAdmin, ServiceProcess
 from agents.policy import DependencyPolicy, FilePolicy
 from agents.retry import RetryPolicy
 from agents.runtime import Agent, AgentHandler, AttemptAbandoned, Call, TransientError
+from demo.orders_client import Operation, OrdersAdmin, ServiceProcess
 from schemas.messages import AgentRequest, StepResult
 
 OP: Operation = "inventory/reserve"

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from agents.orders_client import OrdersAdmin, ServiceProcess
+from demo.orders_client import OrdersAdmin, ServiceProcess
 
 ORDER: dict[str, Any] = {"order_id": "o-1", "sku": "SKU-1", "qty": 2, "amount": 42.5}
 

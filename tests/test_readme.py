@@ -24,7 +24,7 @@ from stepstream.client import Client
 from stepstream.task_api import SubmissionRequest
 
 ROOT = Path(__file__).parent.parent
-PACKAGES = "docs|examples|schemas|eventstore|projections|scheduler|agents|supervisor|stepstream|tests|benchmarks"
+PACKAGES = "docs|examples|schemas|eventstore|projections|scheduler|agents|supervisor|stepstream|demo|tests|benchmarks"
 README = (ROOT / "README.md").read_text()
 
 

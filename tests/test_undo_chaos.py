@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from agents.orders_client import Records
+from demo.orders_client import Records
 from schemas.messages import Event, OperatorAlert, StepStarted, TaskCompensationFailed
 from tests.kafka_helpers import wait_for
 from tests.system import TERMINAL, System

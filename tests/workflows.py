@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scheduler.examples import OrderInput
+from demo.workflows import OrderInput
 from scheduler.workflow import Compensation, Step, Workflow, WorkflowRegistry
 
 # charge allows 4 s an attempt: three attempts outlast a dead agent's group session (6 s) plus a restart,

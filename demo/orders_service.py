@@ -45,7 +45,7 @@ effect still lands, which is the "unknown outcome" case agents must survive by r
 same key. ``hang`` is the opposite: it holds the request until the client disconnects (or
 ``hang_max_s``) and applies nothing.
 
-Run: ``python -m agents.orders_service --host 127.0.0.1 --port 8080 [--seed 0] [--state-file PATH]``.
+Run: ``python -m demo.orders_service --host 127.0.0.1 --port 8080 [--seed 0] [--state-file PATH]``.
 With ``--state-file`` every applied effect, idempotency result and fencing high-water mark is
 written atomically (temp file, fsync, rename) before the response is sent, so a restarted service
 keeps deduplicating. Request/outcome counters ride along in the same file but are only flushed with
@@ -789,8 +789,8 @@ def create_app(*, seed: int = 0, state_file: Path | None = None) -> FastAPI:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: ``python -m agents.orders_service --host 127.0.0.1 --port N [--state-file PATH]``."""
-    parser = argparse.ArgumentParser(prog="python -m agents.orders_service", description=__doc__.split("\n")[0])
+    """Entry point: ``python -m demo.orders_service --host 127.0.0.1 --port N [--state-file PATH]``."""
+    parser = argparse.ArgumentParser(prog="python -m demo.orders_service", description=__doc__.split("\n")[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--seed", type=int, default=0, help="seed of the fault RNG (reproducible faults)")

@@ -1,9 +1,9 @@
-"""Start, stop and steer the orders service (``agents.orders_service``) from tests and fault injection.
+"""Start, stop and steer the orders service (``demo.orders_service``) from tests and fault injection.
 
 Why a real subprocess: agents must be tested against real sockets, real timeouts and a service that
 can be killed, frozen and restarted, which an in-process ASGI transport cannot imitate.
 
-- ``ServiceProcess`` runs ``python -m agents.orders_service`` on a free 127.0.0.1 port, waits until
+- ``ServiceProcess`` runs ``python -m demo.orders_service`` on a free 127.0.0.1 port, waits until
   ``/health`` answers (polling, never a fixed sleep), and stops it with SIGTERM, then SIGKILL past a
   timeout. It can also ``kill()`` (crash), ``freeze()``/``thaw()`` (SIGSTOP/SIGCONT: the socket still
   accepts but nothing answers) and ``restart()`` on the same port (so URLs handed to agents stay valid).
@@ -27,7 +27,7 @@ from typing import Any, Self, TypedDict
 
 import httpx
 
-from agents.orders_service import ATTEMPT_HEADER, IDEMPOTENCY_HEADER, OPERATIONS, UNDOES_HEADER, Operation
+from demo.orders_service import ATTEMPT_HEADER, IDEMPOTENCY_HEADER, OPERATIONS, UNDOES_HEADER, Operation
 
 __all__ = [
     "OPERATIONS",
@@ -168,7 +168,7 @@ class ServiceProcess:
         cmd = [
             self.python,
             "-m",
-            "agents.orders_service",
+            "demo.orders_service",
             "--host",
             self.host,
             "--port",

@@ -1,4 +1,4 @@
-"""The agents shipped with stepstream: one per operation of the demo's order service.
+"""The demo's agents (the ones ``stepstream run agent NAME`` runs): one per operation of its order service.
 
 They all call the same service, so they share one dependency name, ``orders``: the central policy
 configures it once (``[dependencies.orders]``), and the breaker and retry budget are about that service

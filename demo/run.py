@@ -26,7 +26,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
-from agents.orders_client import OrdersAdmin
+from demo.orders_client import OrdersAdmin
 from eventstore.console import command_console
 from eventstore.settings import KafkaSettings
 from projections.settings import StoreSettings

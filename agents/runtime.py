@@ -255,7 +255,7 @@ def build_agent(kafka: KafkaSettings, consumer: ConsumerSettings, agent: Agent, 
     return KeyedConsumerRuntime(
         concurrency=concurrency,
         bootstrap=kafka.resolved_bootstrap(),
-        group_id=f"{layout.prefix}agent.{agent.name}",
+        group_id=layout.agent_group(agent.name),
         topics=[layout.agent(agent.name)],
         handler=lambda record, output: agent.handle(record, output, layout.inbox),
         dlq_topic=layout.dlq,

@@ -93,6 +93,7 @@ from eventstore.producer import EventProducer
 from eventstore.replay import ReplayReader
 from eventstore.settings import ConsumerSettings, KafkaSettings
 from eventstore.topics import TopicLayout, TopicSpec
+from scheduler.decider import TERMINAL
 from schemas.codec import Codec, default_codec
 from schemas.messages import (
     MessageIgnored,
@@ -118,7 +119,7 @@ STEPS_TARGET = 1_000.0
 RATIO_TARGET = 0.3
 RAW_REPEATS = 5  # a raw repetition lasts about a second and swings with the machine's load: the median of 5
 TERMINAL_EVENTS = frozenset({"TaskCompleted", "TaskFailed", "TaskRejected"})
-TERMINAL_STATUSES = ("completed", "error", "rejected", "compensated", "compensation_failed")
+TERMINAL_STATUSES = tuple(sorted(TERMINAL))  # the query's parameters, in a stable order
 TIMED = "t-"  # task id prefixes: timed tasks, warm-up tasks
 WARMUP = "w-"
 STALL_TIMEOUT_S = 120.0

@@ -30,11 +30,10 @@ from demo.orders_client import OrdersAdmin
 from eventstore.console import command_console
 from eventstore.settings import KafkaSettings
 from projections.settings import StoreSettings
+from scheduler.decider import TERMINAL
 from schemas.messages import SubmitTask
 from stepstream.client import Client
 from stepstream.up import refuse_if_up, wait_until_up
-
-TERMINAL = {"completed", "error", "rejected", "compensated", "compensation_failed"}
 
 
 def _orders(run_id: str, count: int) -> list[SubmitTask]:

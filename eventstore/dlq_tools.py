@@ -7,162 +7,43 @@ partition whose headers name the dead letter and where its copy landed. The reco
 replayed is therefore on the log, in order after the dead letter, for these tools (a second replay
 of the same dead letter needs ``--force``) and for the projector's ``dlq_entries`` table alike.
 
-The tools read the log with ``eventstore.replay.LogRange`` (raw records, headers included).
+The tools read the log with ``eventstore.replay.LogRange`` (raw records, headers included); the record
+model they show (``DeadLetter``) is the event store's own, in ``eventstore.dlq``.
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
-import functools
 import sys
-import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 import orjson
-from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+from confluent_kafka import KafkaError, Producer
 from confluent_kafka import Message as KafkaMessage
 from rich.table import Table
 
 from eventstore.console import command_console
-from eventstore.dlq import HEADER_PREFIX, read_dlq_headers
+from eventstore.dlq import (
+    HEADER_PREFIX,
+    REPLAY_OF,
+    REPLAY_TIME,
+    REPLAY_TO,
+    REPLAYED_FROM_HEADER,
+    DeadLetter,
+    parse_entry,
+)
 from eventstore.errors import LogReadError, StepstreamError
-from eventstore.kafka_config import connection_config, producer_config
+from eventstore.kafka_config import producer_config
 from eventstore.replay import LogRange
 from eventstore.settings import KafkaSettings
 from eventstore.topics import TopicLayout
 from schemas.codec import Codec, default_codec
-from schemas.errors import DecodeError
-
-# Headers of a replay marker (under HEADER_PREFIX), and the one a replayed copy carries.
-REPLAY_OF = "replay.of"
-REPLAY_TO = "replay.to"
-REPLAY_TIME = "replay.time"
-REPLAYED_FROM_HEADER = "stepstream.replayed.from"
 
 
 class DlqToolError(StepstreamError):
     """A request the tools cannot serve; the message names the argument or the record at fault."""
-
-
-def parse_entry(text: str) -> tuple[int, int]:
-    """``PARTITION:OFFSET`` of a dead letter."""
-    partition, sep, offset = text.partition(":")
-    if not sep or not partition.isdigit() or not offset.isdigit():
-        raise DlqToolError(f"ENTRY {text!r} is not PARTITION:OFFSET (e.g. 0:12)")
-    return int(partition), int(offset)
-
-
-# -- reading a bounded range of a topic --------------------------------------------------------------
-
-
-def offsets_at(bootstrap: str, topic: str, when: datetime) -> dict[int, int]:
-    """Per partition, the first offset whose record is at or after ``when`` (the end offset if none)."""
-    consumer = Consumer({**connection_config(bootstrap), "group.id": f"stepstream-times-{uuid.uuid4().hex}"})
-    try:
-        metadata = consumer.list_topics(topic, timeout=30).topics[topic]
-        if metadata.error is not None:
-            raise DlqToolError(f"cannot read {topic}: {metadata.error}")
-        stamp = int(when.timestamp() * 1000)
-        found = consumer.offsets_for_times([TopicPartition(topic, p, stamp) for p in sorted(metadata.partitions)],
-                                           timeout=30)
-        out = {}
-        for tp in found:
-            _low, high = consumer.get_watermark_offsets(TopicPartition(topic, tp.partition), timeout=30)
-            out[tp.partition] = tp.offset if tp.offset >= 0 else high
-        return out
-    finally:
-        consumer.close()
-
-
-# -- dead letters --------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class DeadLetter:
-    """One record of the DLQ topic: a dead letter, or a replay marker (``replay_of`` set)."""
-
-    partition: int
-    offset: int
-    key: bytes | None
-    value: bytes | None
-    headers: tuple[tuple[str, bytes], ...]
-    timestamp_ms: int
-
-    @classmethod
-    def from_message(cls, msg: KafkaMessage) -> DeadLetter:
-        _kind, stamp = msg.timestamp()
-        return cls(msg.partition(), msg.offset(), _bytes(msg.key()), _bytes(msg.value()),
-                   tuple((k, v or b"") for k, v in msg.headers() or []), int(stamp))
-
-    @functools.cached_property
-    def info(self) -> dict[str, str]:
-        """Our headers (reason, error.class, error.kind, origin.*, consumer.group, time, replay.*), as text."""
-        return read_dlq_headers(list(self.headers))
-
-    @property
-    def replay_of(self) -> tuple[int, int] | None:
-        of = self.info.get(REPLAY_OF)
-        return parse_entry(of) if of else None
-
-    @property
-    def origin(self) -> tuple[str, int, int] | None:
-        info = self.info
-        try:
-            return info["origin.topic"], int(info["origin.partition"]), int(info["origin.offset"])
-        except (KeyError, ValueError):
-            return None
-
-    def time_ms(self, header: str) -> int:
-        """A time header (ISO 8601, part of the log, so every replay reads the same) in epoch ms; the
-        record's own timestamp when it is missing or malformed."""
-        try:
-            return int(datetime.fromisoformat(self.info[header]).timestamp() * 1000)
-        except (KeyError, ValueError):
-            return self.timestamp_ms
-
-    @property
-    def dead_at_ms(self) -> int:
-        return self.time_ms("time")
-
-    @property
-    def task_id(self) -> str | None:
-        return self.key.decode(errors="replace") if self.key is not None else None
-
-    def message_type(self, codec: Codec) -> str | None:
-        try:
-            return type(codec.decode(self.value)).__name__
-        except DecodeError:
-            return None
-
-    def summary(self) -> dict[str, Any]:
-        origin = self.origin
-        return {
-            "entry": f"{self.partition}:{self.offset}", "partition": self.partition, "offset": self.offset,
-            "key": self.task_id, "dead_at": _iso(self.dead_at_ms),
-            "origin": None if origin is None else {"topic": origin[0], "partition": origin[1], "offset": origin[2]},
-            "consumer_group": self.info.get("consumer.group"), "reason": self.info.get("reason"),
-            "error_class": self.info.get("error.class"), "error_kind": self.info.get("error.kind"),
-            "size": len(self.value or b""),
-        }
-
-    def detail(self, codec: Codec) -> dict[str, Any]:
-        """Everything about it, for ``dlq show``: headers as text where they are UTF-8, and the value
-        decoded to JSON where it is a message, else raw (hex and base64) with the reason it is not."""
-        out = self.summary()
-        out["headers"] = [{"key": k, **_raw_or_text(v)} for k, v in self.headers]
-        if self.value is None:
-            out["value"] = None
-        else:
-            try:
-                message = codec.decode(self.value)
-                out["value"] = {"type": type(message).__name__, "message": message.model_dump(mode="json")}
-            except DecodeError as exc:
-                out["value"] = {"undecodable": exc.reason, "kind": exc.kind, "hex": self.value.hex(),
-                                "base64": base64.b64encode(self.value).decode()}
-        return out
 
 
 @dataclass
@@ -174,21 +55,6 @@ class DlqEntry:
 
     def as_json(self) -> dict[str, Any]:
         return {**self.letter.summary(), "replays": self.replays}
-
-
-def _bytes(value: bytes | str | None) -> bytes | None:
-    return value.encode() if isinstance(value, str) else value
-
-
-def _iso(stamp_ms: int) -> str:
-    return datetime.fromtimestamp(stamp_ms / 1000, UTC).isoformat(timespec="milliseconds")
-
-
-def _raw_or_text(value: bytes) -> dict[str, str]:
-    try:
-        return {"text": value.decode()}
-    except UnicodeDecodeError:
-        return {"hex": value.hex(), "base64": base64.b64encode(value).decode()}
 
 
 class DeadLetters:

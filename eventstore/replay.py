@@ -7,9 +7,9 @@ partition had when the replay started: events appended meanwhile belong to the n
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 from confluent_kafka import Message as KafkaMessage
@@ -17,6 +17,7 @@ from confluent_kafka import Message as KafkaMessage
 from eventstore.errors import LogReadError
 from eventstore.kafka_config import connection_config, consume_available
 from eventstore.runtime import Record
+from eventstore.topics import reader_group
 from schemas.codec import Codec, default_codec
 from schemas.errors import DecodeError
 
@@ -48,7 +49,7 @@ class LogRange:
         self.batch_size = batch_size
         self._consumer = Consumer({
             **connection_config(bootstrap),
-            "group.id": f"stepstream-range-{uuid.uuid4().hex}",
+            "group.id": reader_group("range"),
             "enable.auto.commit": False,
             "enable.partition.eof": True,
             "isolation.level": "read_committed",
@@ -136,3 +137,22 @@ class ReplayReader:
                 continue
             self.stats.records += 1
             yield Record(self.topic, partition, offset, key.decode() if key else None, message, [])
+
+
+def offsets_at(bootstrap: str, topic: str, when: datetime) -> dict[int, int]:
+    """Per partition, the first offset whose record is at or after ``when`` (the end offset if none)."""
+    consumer = Consumer({**connection_config(bootstrap), "group.id": reader_group("times")})
+    try:
+        metadata = consumer.list_topics(topic, timeout=30).topics[topic]
+        if metadata.error is not None:
+            raise LogReadError(f"cannot read {topic}: {metadata.error}")
+        stamp = int(when.timestamp() * 1000)
+        found = consumer.offsets_for_times([TopicPartition(topic, p, stamp) for p in sorted(metadata.partitions)],
+                                           timeout=30)
+        out = {}
+        for tp in found:
+            _low, high = consumer.get_watermark_offsets(TopicPartition(topic, tp.partition), timeout=30)
+            out[tp.partition] = tp.offset if tp.offset >= 0 else high
+        return out
+    finally:
+        consumer.close()

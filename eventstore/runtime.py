@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import random
-import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -71,13 +70,14 @@ AssignCallback = Callable[[list[TopicPartition]], list[TopicPartition] | None]
 
 
 def is_retryable(exc: BaseException) -> bool:
-    """Infrastructure faults are retryable; an error may say so itself (``retryable = True``)."""
+    """Infrastructure faults are retryable. An error says so itself (``retryable = True``, as
+    ``InfrastructureError`` does: a handler wraps its database's outage in one, as the state store does);
+    the broker unreachable, a dropped connection or a timeout pass as they are."""
     if isinstance(exc, PoisonMessageError):
         return False
     if getattr(exc, "retryable", False):
         return True
-    # A database that is down or locked, the broker unreachable, a dropped connection: all pass.
-    return isinstance(exc, (KafkaException, sqlite3.OperationalError, ConnectionError, TimeoutError))
+    return isinstance(exc, (KafkaException, ConnectionError, TimeoutError))
 
 
 def backoff_delay(attempt: int, initial_s: float, max_s: float, rng: random.Random) -> float:

@@ -1,11 +1,16 @@
-"""The topic layout, declared once and created idempotently.
+"""The topic layout and the consumer groups that read it, declared once; topics created idempotently.
 
 ``inbox`` and ``events`` share a partition count so that a task's commands and its history live on the
 same partition number: the scheduler owning inbox partition p restores state from events partition p.
+
+Group ids are named here, beside the topics, because they are part of the deployment's contract as much as
+topic names: ACLs grant them (docs/acls.md), the lag report finds a deployment's groups by the prefix, and
+a renamed group silently restarts its consumers from their reset position.
 """
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 
 from confluent_kafka import KafkaError, KafkaException
@@ -68,11 +73,46 @@ class TopicLayout:
             TopicSpec(self.supervisor_lease, 1),
         ]
 
+    # -- consumer groups (each starts with the prefix, so the lag report and one prefixed ACL find them) --
+
+    @property
+    def scheduler_group(self) -> str:
+        return f"{self.prefix}scheduler"
+
+    @property
+    def projector_group(self) -> str:
+        """The default; ``STEPSTREAM_STORE_PROJECTOR_GROUP`` names another (two stores fed side by side)."""
+        return f"{self.prefix}projector"
+
+    @property
+    def supervisor_group(self) -> str:
+        """Its members compete for partition 0 of ``supervisor_lease``: the holder is the leader."""
+        return f"{self.prefix}supervisor"
+
+    def agent_group(self, name: str) -> str:
+        return f"{self.prefix}agent.{name}"
+
+    def submitter_groups(self, submitter: str) -> str:
+        """The prefix of every group a submitter reads its reply topic with (a submitter name has no dot,
+        so ACLs granted on this prefix never match another submitter's groups)."""
+        return f"{self.prefix}submitter.{submitter}."
+
+    def submitter_group(self, submitter: str) -> str:
+        """A fresh group per reader of the reply topic: each reads it from the start, none commits."""
+        return f"{self.submitter_groups(submitter)}{uuid.uuid4().hex[:8]}"
+
     def agent_spec(self, name: str) -> TopicSpec:
         return TopicSpec(self.agent(name), self.partitions)
 
     def status_spec(self, submitter: str) -> TopicSpec:
         return TopicSpec(self.status(submitter), self.partitions)
+
+
+def reader_group(purpose: str) -> str:
+    """A throwaway group for a consumer that assigns partitions rather than subscribing (replay readers, the
+    DLQ follower): it never joins or commits, but the broker still asks for DESCRIBE on a group id, so these
+    are granted by the prefix ``stepstream-<purpose>-`` (docs/acls.md), which carries no topic prefix."""
+    return f"stepstream-{purpose}-{uuid.uuid4().hex}"
 
 
 def ensure_topics(admin: AdminClient, specs: list[TopicSpec], replication_factor: int = 1,

@@ -4,7 +4,7 @@ by rebuilds, like ``rows.project`` for events."""
 
 from __future__ import annotations
 
-from eventstore.dlq_tools import REPLAY_TIME, REPLAY_TO, DeadLetter
+from eventstore.dlq import REPLAY_TIME, REPLAY_TO, DeadLetter
 from projections.rows import Executor
 from schemas.codec import default_codec
 

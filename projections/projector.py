@@ -16,20 +16,19 @@ from __future__ import annotations
 
 import random
 import threading
-import uuid
 from collections.abc import Sequence
 from typing import TypeVar
 
 import structlog
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
-from eventstore.dlq_tools import DeadLetter
+from eventstore.dlq import DeadLetter
 from eventstore.errors import PoisonMessageError
 from eventstore.kafka_config import connection_config, consume_available
 from eventstore.producer import EventProducer
 from eventstore.runtime import ConsumerRuntime, Record, backoff_delay, is_retryable
 from eventstore.settings import ConsumerSettings, KafkaSettings
-from eventstore.topics import TopicLayout
+from eventstore.topics import TopicLayout, reader_group
 from projections.dlq_rows import project_dead_letter
 from projections.rows import project
 from projections.store import BatchResult, Positioned, Projection, Store
@@ -103,7 +102,7 @@ class DlqFollower:
     def run(self) -> None:
         consumer = Consumer({
             **connection_config(self.bootstrap),
-            "group.id": f"stepstream-dlq-follower-{uuid.uuid4().hex}",  # assigned, never subscribed: no group
+            "group.id": reader_group("dlq-follower"),
             "enable.auto.commit": False,
             "isolation.level": "read_committed",
         })
@@ -165,7 +164,7 @@ def build_projector(kafka: KafkaSettings, consumer: ConsumerSettings, store: Sto
     projector = Projector(store, layout.events, consumer, stop)
     runtime = ConsumerRuntime(
         bootstrap=bootstrap,
-        group_id=group_id or f"{layout.prefix}projector",
+        group_id=group_id or layout.projector_group,
         topics=[layout.events],
         handler=projector.handle,
         dlq_topic=layout.dlq,

@@ -32,8 +32,8 @@ from rich.table import Table
 from rich.text import Text
 
 from eventstore.console import command_console
-from eventstore.dlq_tools import DeadLetter, offsets_at
-from eventstore.replay import LogRange
+from eventstore.dlq import DeadLetter
+from eventstore.replay import LogRange, offsets_at
 from eventstore.topics import TopicLayout
 from projections.dlq_rows import project_dead_letter
 from projections.rows import project

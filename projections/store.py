@@ -441,24 +441,25 @@ class SqliteStore(Store):
 
     @contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:
-        if self._conn.in_transaction:  # inside a swap's transaction: nest
-            self._conn.execute("savepoint write")
+        """A write transaction; SQLite's operational errors inside it (locked, I/O, disk full) leave as the
+        store's retryable ``InfrastructureError``, so the consumer runtime retries the batch."""
+        with _infrastructure_errors():
+            if self._conn.in_transaction:  # inside a swap's transaction: nest
+                self._conn.execute("savepoint write")
+                try:
+                    yield self._conn
+                except BaseException:
+                    self._conn.execute("rollback to savepoint write")
+                    self._conn.execute("release savepoint write")
+                    raise
+                self._conn.execute("release savepoint write")
+                return
+            self._conn.execute("begin immediate")
             try:
                 yield self._conn
             except BaseException:
-                self._conn.execute("rollback to savepoint write")
-                self._conn.execute("release savepoint write")
+                self._conn.execute("rollback")
                 raise
-            self._conn.execute("release savepoint write")
-            return
-        with _infrastructure_errors():
-            self._conn.execute("begin immediate")
-        try:
-            yield self._conn
-        except BaseException:
-            self._conn.execute("rollback")
-            raise
-        with _infrastructure_errors():
             self._conn.execute("commit")
 
     @contextmanager
@@ -558,7 +559,8 @@ class _SqliteMigrator:
 
 @contextmanager
 def _infrastructure_errors() -> Iterator[None]:
-    """A locked or unreachable database is an infrastructure fault: retried, never dead-lettered."""
+    """A locked or unreachable database is an infrastructure fault: retried, never dead-lettered. The error
+    says so itself (``retryable``): the consumer runtime knows no database."""
     try:
         yield
     except sqlite3.OperationalError as exc:

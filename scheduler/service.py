@@ -228,7 +228,7 @@ def build_scheduler(kafka: KafkaSettings, consumer: ConsumerSettings, registry: 
 
     return ConsumerRuntime(
         bootstrap=bootstrap,
-        group_id=f"{layout.prefix}scheduler",
+        group_id=layout.scheduler_group,
         topics=[layout.inbox],
         handler=scheduler.handle,
         dlq_topic=layout.dlq,

@@ -30,14 +30,12 @@ from eventstore.settings import KafkaSettings
 from eventstore.topics import TopicLayout, TopicSpec, ensure_topics
 from projections.settings import StoreSettings
 from projections.store import SqliteStore, Store
-from scheduler.decider import input_digest
+from scheduler.decider import TERMINAL, input_digest
 from scheduler.settings import SchedulerSettings
 from scheduler.workflow import WorkflowNotFoundError, WorkflowRegistry
 from schemas.codec import default_codec
 from schemas.errors import DecodeError
 from schemas.messages import OperatorAction, OperatorCommand, StatusUpdate, SubmitTask, new_id
-
-TERMINAL = frozenset({"completed", "error", "rejected", "compensated", "compensation_failed"})
 
 
 class InvalidSubmission(StepstreamError, ValueError):
@@ -172,14 +170,16 @@ class Client:
 
     def updates(self, timeout_s: float = 30.0, idle_s: float | None = None) -> Iterator[StatusUpdate]:
         """Follow this submitter's reply topic from the start; stops at the timeout or after ``idle_s`` quiet."""
+        topic = self.reply_topic  # refuses a client without a submitter before a consumer is made
+        assert self.submitter is not None
         consumer = Consumer({
             **connection_config(self.bootstrap),
-            "group.id": f"{self.layout.prefix}submitter.{self.submitter}.{uuid.uuid4().hex[:8]}",
+            "group.id": self.layout.submitter_group(self.submitter),
             "auto.offset.reset": "earliest",
             "enable.auto.commit": False,
             "isolation.level": "read_committed",
         })
-        consumer.subscribe([self.reply_topic])
+        consumer.subscribe([topic])
         codec = default_codec()
         deadline = time.monotonic() + timeout_s
         last = time.monotonic()

@@ -33,12 +33,15 @@ from stepstream.client import Client, InvalidSubmission, SubmissionContradicts, 
 
 if TYPE_CHECKING:
     from projections.store import Store
+    from scheduler.decider import TaskStatus
 
 EXIT_INVALID, EXIT_NOT_FOUND, EXIT_NOT_COMPLETED, EXIT_REJECTED, EXIT_CONTRADICTION, EXIT_TIMEOUT = 2, 3, 4, 5, 6, 124
 
-# The task states of the projection (``projections/rows.py``), as ``/api/tasks?state=`` accepts them.
-TASK_STATES = ("accepted", "running", "completed", "error", "compensating", "compensated", "compensation_failed",
-               "rejected")
+# The task states of the projection (``projections/rows.py``), as ``/api/tasks?state=`` accepts them, in its
+# order; typed by the decider's ``TaskStatus``, so a name that is not a task state fails the type check.
+TASK_STATES: tuple[TaskStatus, ...] = (
+    "accepted", "running", "completed", "error", "compensating", "compensated", "compensation_failed", "rejected",
+)
 ERROR_WIDTH = 60
 
 
@@ -277,8 +280,10 @@ def _clip(text: str | None, width: int = ERROR_WIDTH) -> str:
     return flat if len(flat) <= width else flat[:width - 1] + "…"
 
 
-STATUS_STYLES = {"completed": "green", "error": "red", "compensation_failed": "bold red", "rejected": "red",
-                 "compensating": "yellow", "compensated": "yellow", "running": "cyan"}
+STATUS_STYLES: dict[TaskStatus, str] = {
+    "completed": "green", "error": "red", "compensation_failed": "bold red", "rejected": "red",
+    "compensating": "yellow", "compensated": "yellow", "running": "cyan",
+}
 
 
 def _table(rows: Sequence[dict[str, Any]], more: bool) -> None:

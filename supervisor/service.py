@@ -59,7 +59,7 @@ class Supervisor:
         self._producer = EventProducer(bootstrap)
         self._lease = Consumer({
             **connection_config(bootstrap),
-            "group.id": f"{layout.prefix}supervisor",
+            "group.id": layout.supervisor_group,
             "enable.auto.commit": False,
             "session.timeout.ms": session_timeout_ms,
             "heartbeat.interval.ms": max(100, session_timeout_ms // 5),

@@ -17,11 +17,11 @@ from demo.orders_client import OrdersAdmin, ServiceProcess
 from eventstore.producer import EventProducer
 from eventstore.replay import ReplayReader
 from eventstore.topics import TopicLayout
+from scheduler.decider import TERMINAL
 from schemas.messages import Event, SubmitTask
 from stepstream.processes import ServiceProcesses
 from tests.kafka_helpers import wait_for
 
-TERMINAL = {"completed", "error", "rejected", "compensated", "compensation_failed"}
 AGENTS = ("inventory", "payments", "shipping")
 ROOT = Path(__file__).parent.parent
 

@@ -11,8 +11,7 @@ import pytest
 from confluent_kafka import Consumer, TopicPartition
 from fastapi.testclient import TestClient
 
-from eventstore.dlq import HEADER_PREFIX, dlq_headers
-from eventstore.dlq_tools import REPLAY_OF, REPLAY_TIME, REPLAY_TO, DeadLetter
+from eventstore.dlq import HEADER_PREFIX, REPLAY_OF, REPLAY_TIME, REPLAY_TO, DeadLetter, dlq_headers
 from eventstore.topics import TopicLayout
 from projections.api import create_app
 from projections.dlq_rows import project_dead_letter

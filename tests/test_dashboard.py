@@ -22,8 +22,7 @@ import pytest
 import uvicorn
 from confluent_kafka import Consumer, TopicPartition
 
-from eventstore.dlq import dlq_headers
-from eventstore.dlq_tools import DeadLetter
+from eventstore.dlq import DeadLetter, dlq_headers
 from eventstore.producer import EventProducer
 from eventstore.replay import LogRange, ReplayReader
 from eventstore.topics import TopicLayout
@@ -145,7 +144,7 @@ def _fill(store: SqliteStore, bootstrap: str, layout: TopicLayout) -> None:
     for i in range(3):
         producer.send_raw(layout.dlq, b"k", b"\x00", dlq_headers(
             reason="corrupt", error_class="DecodeError", kind="corrupt", topic=layout.inbox, partition=0, offset=i,
-            group=f"{layout.prefix}scheduler"), partition=0)
+            group=layout.scheduler_group), partition=0)
     producer.flush()
     letters = [DeadLetter.from_message(m) for m in LogRange(bootstrap, layout.dlq)]
     store.apply_batch(layout.dlq, [Positioned(d.partition, d.offset, d) for d in letters], project_dead_letter)

@@ -9,6 +9,7 @@ from pathlib import Path
 from fastavro import schemaless_writer
 
 from eventstore.dlq import read_dlq_headers
+from eventstore.errors import InfrastructureError
 from eventstore.producer import EventProducer
 from eventstore.runtime import Record
 from eventstore.topics import TopicLayout
@@ -73,9 +74,13 @@ def test_handler_whose_database_is_down_is_retried_not_dead_lettered(
     def write_row(record: Record, _out: EventProducer) -> None:
         attempts.append(record.offset)
         # sqlite cannot open a file in a missing folder: an OperationalError, like a database that is down.
-        with sqlite3.connect(db_dir / "state.db") as conn:
-            conn.execute("create table if not exists seen (offset integer)")
-            conn.execute("insert into seen values (?)", (record.offset,))
+        # The handler says the fault is the world's, not the message's: an InfrastructureError (retryable).
+        try:
+            with sqlite3.connect(db_dir / "state.db") as conn:
+                conn.execute("create table if not exists seen (offset integer)")
+                conn.execute("insert into seen values (?)", (record.offset,))
+        except sqlite3.OperationalError as exc:
+            raise InfrastructureError(f"database unavailable: {exc}") from exc
 
     producer = EventProducer(bootstrap)
     producer.send(layout.inbox, _alert(1))

@@ -50,7 +50,7 @@ def _applied(store: Store, layout: TopicLayout) -> int:
 def _dead_letter(producer: EventProducer, layout: TopicLayout, i: int) -> None:
     producer.send_raw(layout.dlq, f"poison-{i}", b"\x00not avro", dlq_headers(
         reason="corrupt", error_class="DecodeError", kind="corrupt", topic=layout.inbox, partition=0, offset=i,
-        group=f"{layout.prefix}scheduler"))
+        group=layout.scheduler_group))
 
 
 def test_a_projector_sigkilled_mid_batch_restarts_and_applies_every_event_exactly_once(

@@ -15,8 +15,9 @@ import httpx
 import orjson
 
 from projections.settings import StoreSpec
+from scheduler.decider import TERMINAL
 from tests.kafka_helpers import wait_for
-from tests.system import TERMINAL, System
+from tests.system import System
 
 ROOT = Path(__file__).parent.parent
 

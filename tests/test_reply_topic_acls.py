@@ -69,7 +69,7 @@ def reply_topic_acls(layout: TopicLayout, scheduler: str, submitters: tuple[str,
     for name in submitters:
         acls += _allow(name, topic, layout.inbox, literal, AclOperation.WRITE)  # it submits tasks
         acls += _allow(name, topic, layout.status(name), literal, AclOperation.READ, AclOperation.DESCRIBE)
-        acls += _allow(name, group, f"{layout.prefix}submitter.{name}.", prefixed, AclOperation.READ)
+        acls += _allow(name, group, layout.submitter_groups(name), prefixed, AclOperation.READ)
     return acls
 
 
@@ -135,17 +135,12 @@ def _follow(bootstrap: str, topic: str, group: str, timeout_s: float = 15.0) -> 
     return messages, errors
 
 
-def _group(layout: TopicLayout, submitter: str) -> str:
-    """The group id stepstream.client.Client.updates() uses."""
-    return f"{layout.prefix}submitter.{submitter}.{uuid.uuid4().hex[:8]}"
-
-
 @pytest.mark.kafka
 def test_a_submitter_reads_the_status_the_scheduler_wrote_to_its_reply_topic(
         secured: Secured, monkeypatch: pytest.MonkeyPatch) -> None:
     layout = secured.layout
     login(monkeypatch, "alice")
-    messages, errors = _follow(secured.bootstrap, layout.status("alice"), _group(layout, "alice"))
+    messages, errors = _follow(secured.bootstrap, layout.status("alice"), layout.submitter_group("alice"))
     assert errors == []
     assert [default_codec().decode(m.value()) for m in messages] == [secured.published["alice"]]
 
@@ -154,11 +149,11 @@ def test_a_submitter_reads_the_status_the_scheduler_wrote_to_its_reply_topic(
 def test_another_submitter_cannot_read_the_reply_topic(secured: Secured, monkeypatch: pytest.MonkeyPatch) -> None:
     layout = secured.layout
     login(monkeypatch, "bob")
-    messages, errors = _follow(secured.bootstrap, layout.status("alice"), _group(layout, "bob"))
+    messages, errors = _follow(secured.bootstrap, layout.status("alice"), layout.submitter_group("bob"))
     assert messages == []
     assert [e.code() for e in errors] == [KafkaError.TOPIC_AUTHORIZATION_FAILED]
     # His own group prefix is fine: he reads his own reply topic with it.
-    own, errors = _follow(secured.bootstrap, layout.status("bob"), _group(layout, "bob"))
+    own, errors = _follow(secured.bootstrap, layout.status("bob"), layout.submitter_group("bob"))
     assert errors == [] and [default_codec().decode(m.value()) for m in own] == [secured.published["bob"]]
 
 
@@ -167,7 +162,7 @@ def test_another_submitter_cannot_join_the_submitters_groups(secured: Secured,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     layout = secured.layout
     login(monkeypatch, "bob")
-    messages, errors = _follow(secured.bootstrap, layout.status("bob"), _group(layout, "alice"))
+    messages, errors = _follow(secured.bootstrap, layout.status("bob"), layout.submitter_group("alice"))
     assert messages == []
     assert [e.code() for e in errors] == [KafkaError.GROUP_AUTHORIZATION_FAILED]
 
@@ -185,7 +180,7 @@ def test_a_submitter_cannot_write_to_another_reply_topic(secured: Secured, monke
 def test_a_wrong_password_fails_authentication(secured: Secured, monkeypatch: pytest.MonkeyPatch) -> None:
     login(monkeypatch, "alice", password="not-her-password")
     failures: list[KafkaError] = []
-    consumer = Consumer({**connection_config(secured.bootstrap), "group.id": _group(secured.layout, "alice"),
+    consumer = Consumer({**connection_config(secured.bootstrap), "group.id": secured.layout.submitter_group("alice"),
                          "error_cb": failures.append, "log_level": 0})
     consumer.subscribe([secured.layout.status("alice")])
     deadline = time.monotonic() + 15

@@ -16,11 +16,12 @@ from projections.api import create_app
 from projections.lag import LagReader
 from projections.settings import ApiSettings
 from projections.store import SqliteStore
+from scheduler.decider import TERMINAL
 from schemas.codec import default_codec
 from schemas.messages import OperatorCommand, StatusUpdate, SubmitTask, TaskAccepted
 from stepstream.task_api import GlobalAdmission, TaskWriter, write_router
 from tests.kafka_helpers import read_all, wait_for
-from tests.system import TERMINAL, System
+from tests.system import System
 from tests.workflows import REGISTRY
 
 SHOP = {"Authorization": "Bearer shop-secret"}

@@ -35,6 +35,7 @@ test: jars $(PROMTOOL)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 broker-stop: $(STAMP)
 	$(VENV)/bin/stepstream broker stop

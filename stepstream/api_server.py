@@ -1,0 +1,121 @@
+"""``stepstream serve api``: the HTTP app (the store's reads and the dashboard from ``projections.api``, the
+writes from ``stepstream.task_api``) on a uvicorn server that drains on SIGTERM like every service.
+
+It lives in the front because it composes the front's write side: ``projections`` offers the queries and
+knows nothing of the writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+import threading
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from eventstore.errors import KafkaUnreachable
+from eventstore.logs import configure_logging
+from eventstore.settings import ConsumerSettings, KafkaSettings, ObservabilitySettings
+from eventstore.shutdown import GracefulShutdown
+from eventstore.topics import TopicLayout
+from projections.commands import UsageError
+from projections.settings import ApiSettings, StoreSettings
+
+if TYPE_CHECKING:
+    from projections.lag import LagReader
+    from projections.store import Store
+    from stepstream.task_api import TaskWriter
+
+
+def serve_api(*, host: str | None, port: int | None) -> int:
+    """Serve the API, the dashboard and /metrics until SIGTERM/SIGINT (uvicorn drains open requests)."""
+    import uvicorn
+
+    from projections.api import create_app
+    from projections.lag import LagReader
+    from stepstream.task_api import write_router
+
+    # Armed before anything connects, as in every service: a SIGTERM during start-up is a stop, not a kill.
+    stop = GracefulShutdown(ConsumerSettings().drain_timeout_s).install().event
+    settings = ApiSettings()
+    observability = ObservabilitySettings()
+    configure_logging(observability.log_level, observability.log_json)
+    structlog.get_logger("stepstream.api").info("service starting", service="api")
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host or settings.host, settings.port if port is None else port))
+    except OSError as exc:
+        raise UsageError(f"--port {port if port is not None else settings.port}: cannot listen: {exc}") from exc
+    kafka = KafkaSettings()
+    layout = TopicLayout.from_settings(kafka)
+    try:
+        lag: LagReader | None = LagReader(kafka.resolved_bootstrap(), layout.prefix)
+    except KafkaUnreachable as exc:  # no cluster configured and no local broker: serve the store anyway
+        print(f"stepstream: lag is not measured, writes are off: {exc}", file=sys.stderr)
+        lag = None
+    store = StoreSettings().open(kafka.home)
+    if settings.tokens and lag is None:
+        store.close()
+        raise UsageError("STEPSTREAM_API_TOKENS: the write endpoints need a Kafka cluster "
+                         "(STEPSTREAM_BOOTSTRAP_SERVERS, or `stepstream broker start`)")
+    # No token, no writes: the API then serves the store without any Kafka client of the write side.
+    writer = _task_writer(kafka, layout, store, lag, settings) if settings.tokens and lag is not None else None
+    try:
+        # Listen before announcing the address: a client that reads it and connects at once is queued, not
+        # refused, while the app is still starting.
+        listener.listen(2048)
+        bound_host, bound_port = listener.getsockname()[:2]
+        print(f"api listening on http://{bound_host}:{bound_port} (store {store.describe()})", file=sys.stderr,
+              flush=True)
+        app = create_app(store, layout, lag, [write_router(writer, settings)])
+        server = _draining_server_class()(uvicorn.Config(app, log_level="warning", access_log=False))
+        # uvicorn installs its own handlers when it runs; a signal that came before that stops it all the same.
+        def stop_server() -> None:
+            stop.wait()
+            server.should_exit = True
+
+        threading.Thread(target=stop_server, name="api-stop", daemon=True).start()
+        server.run(sockets=[listener])
+    finally:
+        if writer is not None:
+            writer.close()
+        store.close()
+    return 0
+
+
+def _draining_server_class() -> type[Any]:
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """Drains on SIGTERM/SIGINT and then exits 0, like every stepstream service: uvicorn would raise the
+        signal again after its graceful shutdown, and the process would look killed to its supervisor."""
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()
+
+    return DrainingServer
+
+
+def _task_writer(kafka: KafkaSettings, layout: TopicLayout, store: Store, lag: LagReader,
+                 settings: ApiSettings) -> TaskWriter:
+    """The write side, checking submissions against the workflows the scheduler runs (same setting)."""
+    from scheduler.settings import SchedulerSettings
+    from stepstream.task_api import GlobalAdmission, TaskWriter
+
+    admission = GlobalAdmission(store, lag, layout, settings.max_in_flight, settings.admission_refresh_s)
+    return TaskWriter(bootstrap=kafka.resolved_bootstrap(), layout=layout, store=store,
+                      registry=SchedulerSettings().load_registry(), admission=admission, settings=settings)
+
+
+def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``stepstream serve api``."""
+    serve = commands.add_parser("serve", help="serve the dashboard API, the dashboard page and /metrics")
+    serve.add_argument("what", choices=["api"])
+    serve.add_argument("--host", default=None, help="interface (default STEPSTREAM_API_HOST, 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=None, help="port (default STEPSTREAM_API_PORT, 8780; 0: any free)")
+    serve.set_defaults(func=lambda a: serve_api(host=a.host, port=a.port))

@@ -1,7 +1,8 @@
 """Fixtures: one real Kafka broker per test session, and a topic prefix per test.
 
 The broker is, in order: the cluster named by STEPSTREAM_BOOTSTRAP_SERVERS, a testcontainers Kafka
-where a Docker engine answers, else the project's own local broker (Kafka jars from Maven Central).
+where a Docker engine answers, else the project's own local broker (Kafka jars from Maven Central). Every
+test that uses it is marked ``kafka`` (checked at collection), so ``-m "not kafka"`` starts no broker.
 """
 
 from __future__ import annotations
@@ -17,6 +18,17 @@ from confluent_kafka.admin import AdminClient
 
 from eventstore.broker import LocalBroker
 from eventstore.topics import TopicLayout, ensure_topics
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test that reaches the broker through the fixtures must be marked ``kafka``, so that
+    ``pytest -m "not kafka"`` never starts one; an unmarked one stops the run here, named. (A test that starts
+    a broker of its own, like tests/test_broker.py, is marked by hand.)"""
+    unmarked = [item.nodeid for item in items
+                if "kafka" in getattr(item, "fixturenames", ()) and item.get_closest_marker("kafka") is None]
+    if unmarked:
+        raise pytest.UsageError("these tests need a broker but are not marked kafka (pytest.mark.kafka):\n  "
+                                + "\n  ".join(unmarked))
 
 
 def _docker_answers() -> bool:

@@ -11,9 +11,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from schemas.messages import StepFailed, StepStarted, TaskFailed
 from tests.system import System
 from tests.workflows import BUDGET_CAPPED, BUDGET_CAPPED_HANG
+
+pytestmark = pytest.mark.kafka
 
 GREEDY_AGENTS = """
 [dependencies.orders.retry]

@@ -166,6 +166,7 @@ def test_openapi_describes_every_endpoint(client: TestClient) -> None:
         "state", "workflow", "since", "until", "limit", "cursor"}
 
 
+@pytest.mark.kafka
 def test_lag_is_committed_offsets_against_the_end_of_the_log_per_group_and_partition(
     bootstrap: str, layout: TopicLayout, store_spec: StoreSpec,
 ) -> None:

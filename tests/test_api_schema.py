@@ -27,6 +27,8 @@ from tests.histories import histories
 from tests.system import System
 from tests.workflows import REGISTRY
 
+pytestmark = pytest.mark.kafka
+
 TOKEN = {"Authorization": "Bearer schema-token"}
 
 

@@ -22,6 +22,8 @@ from schemas.messages import OperatorAlert
 from tests.kafka_helpers import read_all, wait_for
 from tests.runtime_harness import running
 
+pytestmark = pytest.mark.kafka
+
 
 @pytest.fixture(scope="module")
 def own_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:

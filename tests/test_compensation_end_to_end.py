@@ -40,6 +40,8 @@ from schemas.sealed import is_sealed
 from tests.kafka_helpers import wait_for
 from tests.system import System
 
+pytestmark = pytest.mark.kafka
+
 COMPENSATION_AGENTS = ("inventory-release", "payments-refund", "shipping-cancel")
 KEY = base64.b64encode(bytes(range(7, 39))).decode()
 

@@ -9,12 +9,15 @@ import uuid
 from collections import Counter
 from pathlib import Path
 
+import pytest
 from confluent_kafka import Consumer, TopicPartition
 
 from eventstore.producer import EventProducer
 from eventstore.topics import TopicLayout
 from schemas.messages import OperatorAlert
 from tests.kafka_helpers import wait_for
+
+pytestmark = pytest.mark.kafka
 
 MESSAGES = 60
 

@@ -6,6 +6,7 @@ import io
 import sqlite3
 from pathlib import Path
 
+import pytest
 from fastavro import schemaless_writer
 
 from eventstore.dlq import read_dlq_headers
@@ -17,6 +18,8 @@ from schemas.codec import MAGIC, default_codec
 from schemas.messages import OperatorAlert
 from tests.kafka_helpers import read_all, wait_for
 from tests.runtime_harness import running
+
+pytestmark = pytest.mark.kafka
 
 
 def _alert(i: int, task_id: str = "task-1") -> OperatorAlert:

@@ -25,6 +25,8 @@ from tests.kafka_helpers import read_all, wait_for
 from tests.runtime_harness import running
 from tests.test_dead_letters import _alert, _schema_invalid_bytes
 
+pytestmark = pytest.mark.kafka
+
 
 @pytest.fixture
 def dead_letters(bootstrap: str, layout: TopicLayout, monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from collections import Counter
 
+import pytest
+
 from schemas.messages import (
     MessageIgnored,
     OperatorAlert,
@@ -19,6 +21,8 @@ from schemas.messages import (
 )
 from tests.kafka_helpers import read_all, wait_for
 from tests.system import AGENTS, System
+
+pytestmark = pytest.mark.kafka
 
 OPERATIONS = ("inventory/reserve", "payments/charge", "shipping/create")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 from collections import defaultdict
 
+import pytest
 from confluent_kafka import TopicPartition
 from prometheus_client import REGISTRY
 
@@ -15,6 +16,8 @@ from eventstore.topics import TopicLayout
 from schemas.messages import OperatorAlert
 from tests.kafka_helpers import read_all, wait_for
 from tests.runtime_harness import running
+
+pytestmark = pytest.mark.kafka
 
 
 def _event(task_id: str, sequence: int) -> OperatorAlert:

@@ -53,6 +53,7 @@ def _dead_letter(producer: EventProducer, layout: TopicLayout, i: int) -> None:
         group=layout.scheduler_group))
 
 
+@pytest.mark.kafka
 def test_a_projector_sigkilled_mid_batch_restarts_and_applies_every_event_exactly_once(
     bootstrap: str, layout: TopicLayout, test_env: dict[str, str], store_spec: StoreSpec, tmp_path: Path,
 ) -> None:
@@ -87,6 +88,7 @@ def test_a_projector_sigkilled_mid_batch_restarts_and_applies_every_event_exactl
         store.close()
 
 
+@pytest.mark.kafka
 def test_rebuild_replays_into_a_fresh_store_and_swaps_it_in_with_the_offsets_the_live_one_had(
     bootstrap: str, layout: TopicLayout, live: Store,
 ) -> None:
@@ -108,6 +110,7 @@ def test_rebuild_replays_into_a_fresh_store_and_swaps_it_in_with_the_offsets_the
     assert verify_against_replay(live, replayer).equal
 
 
+@pytest.mark.kafka
 def test_a_rebuild_until_a_point_in_the_log_shows_the_store_as_it_stood_then(
     bootstrap: str, layout: TopicLayout, live: Store,
 ) -> None:
@@ -136,6 +139,7 @@ def test_a_rebuild_until_a_point_in_the_log_shows_the_store_as_it_stood_then(
         by_time.discard()
 
 
+@pytest.mark.kafka
 def test_verify_reports_each_difference_and_exits_1(
     bootstrap: str, layout: TopicLayout, test_env: dict[str, str], store_spec: StoreSpec,
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],

@@ -13,11 +13,14 @@ from typing import Any
 
 import httpx
 import orjson
+import pytest
 
 from projections.settings import StoreSpec
 from scheduler.decider import TERMINAL
 from tests.kafka_helpers import wait_for
 from tests.system import System
+
+pytestmark = pytest.mark.kafka
 
 ROOT = Path(__file__).parent.parent
 

@@ -3,11 +3,13 @@ and operator commands, each answer checked against what reached Kafka."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
@@ -23,6 +25,8 @@ from stepstream.task_api import GlobalAdmission, TaskWriter, write_router
 from tests.kafka_helpers import read_all, wait_for
 from tests.system import System
 from tests.workflows import REGISTRY
+
+pytestmark = pytest.mark.kafka
 
 SHOP = {"Authorization": "Bearer shop-secret"}
 OPS = {"Authorization": "Bearer ops-secret"}
@@ -265,14 +269,25 @@ def test_the_api_process_stopped_by_sigterm_during_start_up_exits_0(system: Syst
 def test_a_submission_retried_after_the_api_was_killed_mid_request_runs_once(system: System) -> None:
     system.env["STEPSTREAM_API_TOKENS"] = '{"shop": "shop-secret"}'
     system.env["STEPSTREAM_API_DECISION_TIMEOUT_S"] = "30"
-    system.start("projector", "scheduler")  # no agents yet: the task stays in flight
+    system.start("projector")  # no scheduler yet: the request waits for a decision nobody makes
     body = {"workflow": "orders", "version": 1, "input": {**ORDER, "order_id": "killed"}, "task_id": "killed"}
     with system.start_api() as http:
-        posting = threading.Thread(target=lambda: http.post("/api/tasks", json=body, headers=SHOP), daemon=True)
+        answers: list[int] = []
+
+        def post() -> None:
+            with contextlib.suppress(httpx.HTTPError):  # the connection dies with the process
+                answers.append(http.post("/api/tasks", json=body, headers=SHOP).status_code)
+
+        posting = threading.Thread(target=post, daemon=True)
         posting.start()
-        time.sleep(0.3)
-        system.procs.kill("api")  # SIGKILL while the request waits for the scheduler
+
+        # The submission on inbox (nothing else writes there yet): the request is past the produce.
+        assert read_all(system.bootstrap, system.layout.inbox, expect=1, timeout_s=30), "no submission produced"
+        system.procs.kill("api")  # SIGKILL with the submission on inbox and its answer not sent
         posting.join(10)
+        assert answers == [], "answered before the kill: nothing was tested"
+    system.start("scheduler")  # no agents yet: the task stays in flight
+    assert wait_for(lambda: system.task("killed") is not None, 60), "the scheduler never decided the submission"
     with system.start_api() as http:  # the client retries with the same task id, as Retry-After tells it
         retried = http.post("/api/tasks", json=body, headers=SHOP)
         assert retried.status_code in (200, 201), retried.text

@@ -67,6 +67,10 @@ def _field_schema(name: str, field: FieldInfo) -> dict[str, Any]:
         else:
             raise SchemaError(f"{name}: default {default!r} cannot be written as an Avro default")
         schema["default"] = default
+    elif field.default_factory in (list, dict):
+        # An empty array or map: a reader of data written before the field existed needs the default (Avro
+        # drops defaults from the canonical form, so adding one leaves the fingerprint as it was).
+        schema["default"] = field.default_factory()  # type: ignore[call-arg]
     return schema
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from confluent_kafka.admin import AdminClient
 
-from eventstore.broker import LocalBroker
+from eventstore.broker import BrokerInfo, LocalBroker
 from eventstore.topics import TopicLayout, ensure_topics
 
 
@@ -29,6 +29,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     if unmarked:
         raise pytest.UsageError("these tests need a broker but are not marked kafka (pytest.mark.kafka):\n  "
                                 + "\n  ".join(unmarked))
+
+
+@pytest.fixture(autouse=True)
+def _no_broker_unless_marked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test not marked ``kafka`` that starts a local broker in this process fails, named, rather than
+    making ``-m "not kafka"`` need Java and a broker after all."""
+    if request.node.get_closest_marker("kafka") is None:
+        def refuse(_broker: LocalBroker) -> BrokerInfo:
+            raise AssertionError(f"{request.node.nodeid} starts a Kafka broker: mark it kafka")
+
+        monkeypatch.setattr(LocalBroker, "start", refuse)
 
 
 def _docker_answers() -> bool:

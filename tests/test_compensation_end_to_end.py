@@ -106,9 +106,9 @@ def test_a_permanent_failure_of_the_third_step_undoes_it_then_the_second_then_th
     events = saga.events("saga-1")
     assert kinds_from(events, CompensationStarted) == [
         "CompensationStarted",
-        "StepCompensationStarted", "StepCompensated",
-        "StepCompensationStarted", "StepCompensated",
-        "StepCompensationStarted", "StepCompensated",
+        "StepCompensationStarted", "StepAccepted", "StepCompensated",
+        "StepCompensationStarted", "StepAccepted", "StepCompensated",
+        "StepCompensationStarted", "StepAccepted", "StepCompensated",
         "TaskCompensated",
     ]
     (started,) = of(events, CompensationStarted)
@@ -249,7 +249,8 @@ def test_an_operator_resubmits_a_failed_step_after_the_service_is_fixed_and_the_
     assert resubmitted.stdout.strip() == "accepted: step 'ship' resubmitted"
     assert saga.wait_terminal(["fix-me"]) == {"fix-me": "completed"}
     events = saga.events("fix-me")
-    assert kinds_from(events, StepResubmitted) == ["StepResubmitted", "StepStarted", "StepSucceeded", "TaskCompleted"]
+    assert kinds_from(events, StepResubmitted) == ["StepResubmitted", "StepStarted", "StepAccepted", "StepSucceeded",
+                                                   "TaskCompleted"]
     assert [e.attempt_id for e in of(events, StepStarted) if e.step == "ship"] == ["fix-me:ship:1", "fix-me:ship:2"]
     assert applied(saga, "shipping/create", "fix-me:ship") == 1
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from scheduler.examples import OrderInput
 from scheduler.workflow import Compensation, Step, Workflow, WorkflowRegistry
 
@@ -29,7 +31,16 @@ ORDERS_V2 = Workflow(
     failure_threshold=3,
 )
 
-REGISTRY = WorkflowRegistry.of([ORDERS_V1, ORDERS_V2])
+# Requests must be taken within 2 s: a test without the payments agent sees its charge attempts expire (and the
+# supervisor ask for their recovery) without waiting out the default start-by of five minutes.
+ORDERS_QUICK_START = Workflow(
+    name="orders-quick-start",
+    version=1,
+    steps=tuple(replace(step, queue_timeout_s=2.0) for step in ORDERS_V1.steps),
+    failure_threshold=3,
+)
+
+REGISTRY = WorkflowRegistry.of([ORDERS_V1, ORDERS_V2, ORDERS_QUICK_START])
 
 # Appended for tests/test_agent_budget_end_to_end.py: steps whose end-to-end call budget is far below what
 # the agent's retry limit and the workflow's failure threshold would allow, so only the budget can stop

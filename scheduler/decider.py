@@ -10,6 +10,12 @@ had, and what lets tests compare decisions by value.
 State is only ever a fold of events. ``decide`` builds its events by evolving a working copy of the
 state as it goes, so every decision it returns has already passed ``evolve``'s transition checks.
 
+An attempt is *queued* from ``StepStarted`` until its agent acknowledges taking the request
+(``AttemptAccepted``, recorded as ``StepAccepted``): only its start-by runs meanwhile, and its work
+deadline (complete-by) is counted from the acknowledgement, so waiting behind other requests never fails a
+step. Recoveries wait for the deadline in force; a result needs no acknowledgement before it; a second
+acknowledgement, or one for another attempt, changes nothing.
+
 Compensation is part of the same machine. When a step gives up and its workflow's policy is
 ``compensate`` (or an operator cancels a running task, or orders compensation of a task in error), the
 task goes to ``compensating``: ``CompensationStarted`` names the steps that *may have been applied*, last

@@ -174,16 +174,18 @@ def test_a_compensation_that_hangs_is_recovered_by_the_supervisor_and_past_its_t
 ) -> None:
     saga.admin.set_faults("shipping/create", permanent_error_rate=1.0)
     start(saga)
-    saga.procs.signal("payments-refund", signal.SIGSTOP)  # the refund agent hangs: it takes work, answers nothing
+    # The refund agent hangs: it takes nothing (not even to acknowledge it), so each undo attempt stays queued
+    # and is recovered by the supervisor at its start-by (2 s in this workflow).
+    saga.procs.signal("payments-refund", signal.SIGSTOP)
     try:
-        saga.submit("refund-hangs", workflow="orders-comp")
+        saga.submit("refund-hangs", workflow="orders-comp-quick-start")
         saga.submit("in-error", workflow="orders-hold")
         with dashboard(saga) as store:
 
             def compensating() -> bool:
                 task = store.task("refund-hangs") or {"steps": []}
                 charge: dict[str, Any] = next((s for s in task["steps"] if s["step"] == "charge"), {})
-                return task.get("status") == "compensating" and charge.get("status") == "compensating"
+                return task.get("status") == "compensating" and charge.get("status") == "compensation_queued"
 
             assert wait_for(compensating, timeout_s=60), saga.logs_tail()
             charge = next(s for s in (store.task("refund-hangs") or {})["steps"] if s["step"] == "charge")
@@ -202,6 +204,7 @@ def test_a_compensation_that_hangs_is_recovered_by_the_supervisor_and_past_its_t
     assert [(e.attempt_id, e.timed_out, e.failure_count) for e in timeouts] == [
         ("refund-hangs:charge:undo:1", True, 1), ("refund-hangs:charge:undo:2", True, 2)], \
         "each attempt was timed out by the supervisor, up to the threshold of 2"
+    assert all("not taken by an agent before its start-by" in e.error for e in timeouts)
     assert of(events, TaskCompensationFailed)[0].step == "charge"
     assert applied(saga, "payments/refund", "refund-hangs:charge:undo") == 0
 

@@ -136,8 +136,8 @@ def test_a_step_that_always_times_out_is_retried_to_the_threshold_then_errors_wi
 def test_a_burst_many_times_the_agents_capacity_waits_queued_and_every_task_completes_each_step_applied_once(
     system: System,
 ) -> None:
-    """Two calls in flight per agent at 250 ms a call: 30 tasks keep the reserve agent busy about 4 s, nearly
-    than twice the step's 2 s timeout. Waiting is not failing: no attempt fails, every task completes."""
+    """Two calls in flight per agent at 250 ms a call: 30 tasks keep the reserve agent busy about 4 s,
+    twice the step's 2 s timeout. Waiting is not failing: no attempt fails, every task completes."""
     system.env["STEPSTREAM_AGENT_CONCURRENCY"] = "2"
     system.admin.set_faults(latency_ms=250)
     system.start()

@@ -105,5 +105,17 @@ ORDERS_PATIENT = Workflow(
 ORDERS_ONCE = Workflow(name="orders-once", version=1, steps=_compensated_order_steps(), failure_threshold=1,
                        escalation="compensate")
 
+# Undo requests must be taken within 2 s: with the refund agent stopped, each undo attempt waits queued and
+# is recovered by the supervisor at its start-by, without waiting out the default five minutes.
+ORDERS_COMP_QUICK_START = Workflow(
+    name="orders-comp-quick-start",
+    version=1,
+    steps=tuple(step if step.compensation is None else replace(step, compensation=replace(step.compensation,
+                                                                                          queue_timeout_s=2.0))
+                for step in _compensated_order_steps()),
+    failure_threshold=2,
+    escalation="compensate",
+)
+
 COMPENSATION_REGISTRY = WorkflowRegistry.of([ORDERS_V1, ORDERS_V2, ORDERS_COMP, ORDERS_HOLD, ORDERS_PATIENT,
-                                             ORDERS_ONCE])
+                                             ORDERS_ONCE, ORDERS_COMP_QUICK_START])

@@ -274,11 +274,21 @@ _MAY_BE_APPLIED: frozenset[str] = frozenset({"succeeded", "failed"})
 _UNDO_CANDIDATES: frozenset[str] = _MAY_BE_APPLIED | {"compensation_failed"}
 
 
+DEFAULT_MAX_IN_FLIGHT = 2_000
+"""Non-terminal tasks per inbox partition before submissions are rejected: what the system can work off
+well within a queued step's start-by. Measured on the reference machine (BENCHMARKS.md, issue 12 item 3),
+the whole system completes about 310 steps/s with a 50 ms service; a backlog of N tasks (3 steps each)
+takes 3N/310 s, and the last request of it waits about that long for an agent. 6 partitions x 2,000 =
+12,000 tasks is about 116 s of work, under half the default start-by of 300 s: a burst the system admits
+is worked off without an attempt expiring queued, one past it is refused at the door (``TaskRejected``,
+HTTP 429) instead of failing in the middle. Faster machines or more agents can raise it, in proportion."""
+
+
 @dataclass(frozen=True)
 class Limits:
     """Bounds the decider enforces. ``max_in_flight`` is per scheduler partition (admission control)."""
 
-    max_in_flight: int = 10_000
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
 
     def __post_init__(self) -> None:
         if self.max_in_flight < 0:

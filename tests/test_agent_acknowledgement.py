@@ -4,11 +4,12 @@ the attempt's deadline from that moment, and answers a request taken after its s
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 from agents.breaker import BreakerPolicy
 from agents.policy import DependencyPolicy
 from agents.runtime import Agent, Call
+from eventstore.producer import EventProducer
 from eventstore.runtime import Record
 from schemas.messages import AgentRequest, AttemptAccepted, Message, StepResult
 from tests.test_agent_runtime_properties import EPOCH, FakeTime
@@ -38,7 +39,7 @@ def take(request: AgentRequest, clock: FakeTime, handler: Any) -> list[tuple[str
     agent = Agent("acks", handler, DependencyPolicy(breaker=BreakerPolicy(enabled=False)), sleep=clock.sleep,
                   monotonic=clock.monotonic, now=clock.now)
     sent = Sent()
-    agent.handle(Record("agent.acks", 0, 7, "t", request, []), sent, "inbox")  # type: ignore[arg-type]
+    agent.handle(Record("agent.acks", 0, 7, "t", request, []), cast(EventProducer, sent), "inbox")
     return sent.messages
 
 

@@ -46,7 +46,8 @@ from eventstore.producer import EventProducer
 from eventstore.runtime import Record
 from eventstore.settings import ConsumerSettings, KafkaSettings
 from eventstore.topics import TopicLayout
-from schemas.messages import AgentRequest, StepResult
+from schemas.avro import utc_millis
+from schemas.messages import AgentRequest, AttemptAccepted, StepResult
 
 __all__ = [
     "Agent",
@@ -73,6 +74,9 @@ GAVE_UP = Counter("stepstream_agent_attempts_failed_transiently_total",
                   ["agent", "dependency", "reason"])
 CALL_SECONDS = Histogram("stepstream_agent_call_seconds", "Time of one call to a dependency",
                          ["agent", "dependency"], buckets=_SECONDS)
+QUEUE_WAIT_SECONDS = Histogram("stepstream_agent_queue_wait_seconds",
+                               "Time a request waited for this agent to take it (attempt start to acceptance)",
+                               ["agent"], buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300))
 STEP_SECONDS = Histogram("stepstream_agent_step_seconds", "Time to answer one attempt, retries and back-off included",
                          ["agent", "dependency", "outcome"], buckets=_SECONDS)
 
@@ -146,9 +150,11 @@ class Agent:
         policy = self.policies.current().for_dependency(self.dependency)
         return policy, self.dependencies.get(self.dependency, policy)
 
-    def execute(self, request: AgentRequest) -> StepResult:
-        """Run one attempt to an answer; every outcome is a result for the scheduler, unless draining."""
+    def execute(self, request: AgentRequest, accepted_at: datetime | None = None) -> StepResult:
+        """Run one attempt, taken at ``accepted_at`` (default: now), to an answer; every outcome is a result
+        for the scheduler, unless draining. Its deadline is the request's work deadline from that moment."""
         started = self._monotonic()
+        deadline = request.work_deadline(accepted_at or self._now())
         dep = self.dependency
         calls = 0
         retries = 0
@@ -157,7 +163,7 @@ class Agent:
                    "attempt": request.attempt}
 
         def remaining_s() -> float:
-            return (request.complete_by - self._now()).total_seconds()
+            return (deadline - self._now()).total_seconds()
 
         def answer(ok: bool, outcome: str, *, output: dict[str, Any] | None = None, error: str | None = None,
                    permanent: bool = False) -> StepResult:
@@ -239,10 +245,38 @@ class Agent:
                 raise AttemptAbandoned(f"draining during a back-off; last error: {last}") from fault
 
     def handle(self, record: Record, output: EventProducer, inbox: str) -> None:
+        """Take one request: acknowledge it (its work deadline starts now), then run it and answer.
+
+        The acknowledgement and the answer go to the same inbox partition (same key) from the same
+        idempotent producer, so the scheduler sees them in that order. A request taken after its start-by
+        is answered at once without a call: the scheduler may already have given up on it, and an attempt
+        that never called leaves nothing to undo. A redelivered request (after a crash) is acknowledged
+        again; the scheduler ignores the second one.
+        """
         request = record.message
         if not isinstance(request, AgentRequest):
             raise PoisonMessageError(f"{type(request).__name__} is not an agent request")
-        output.send(inbox, self.execute(request))
+        accepted_at = utc_millis(self._now())
+        if request.start_by is not None:
+            if accepted_at > request.start_by:
+                output.send(inbox, self._unstarted(request, accepted_at))
+                return
+            QUEUE_WAIT_SECONDS.labels(self.name).observe(max(0.0, (accepted_at - request.occurred_at).total_seconds()))
+            output.send(inbox, AttemptAccepted(task_id=request.task_id, step=request.step,
+                                               attempt_id=request.attempt_id, compensation=request.compensation,
+                                               accepted_at=accepted_at))
+        output.send(inbox, self.execute(request, accepted_at))
+
+    def _unstarted(self, request: AgentRequest, accepted_at: datetime) -> StepResult:
+        """The answer to a request taken after its start-by: a transient failure that made no call."""
+        assert request.start_by is not None
+        GAVE_UP.labels(self.name, self.dependency, "start_by").inc()
+        error = (f"not started: taken at {accepted_at.isoformat()}, after its start-by "
+                 f"{request.start_by.isoformat()}; no call made")
+        log.warning("attempt not started", reason="start_by", error=error, agent=self.name, task_id=request.task_id,
+                    step=request.step, attempt=request.attempt)
+        return StepResult(task_id=request.task_id, step=request.step, attempt_id=request.attempt_id, ok=False,
+                          error=error, permanent=False, calls=0)
 
 
 def build_agent(kafka: KafkaSettings, consumer: ConsumerSettings, agent: Agent, concurrency: int = 1

@@ -103,6 +103,11 @@ class DashboardCollector(Collector):
         for state, count in sorted(self.store.counts_by_status().items()):
             tasks.add_metric([state], count)
         yield tasks
+        steps = GaugeMetricFamily("stepstream_steps", "Steps in the state store, by state (queued: waiting for an "
+                                  "agent)", labels=["state"])
+        for state, count in sorted(self.store.step_counts_by_status().items()):
+            steps.add_metric([state], count)
+        yield steps
         if self.lag is None:
             return
         groups = GaugeMetricFamily("stepstream_group_lag", "Records between a consumer group's committed "
@@ -171,6 +176,16 @@ def create_app(store: Store, layout: TopicLayout, lag: LagReader | None = None,
     def stuck_steps(limit: Limit = 50) -> dict[str, Any]:
         """Steps processing or compensating past their deadline, oldest deadline first."""
         return {"items": store.stuck_steps(datetime.now(UTC), limit)}
+
+    @app.get("/api/steps/queued", tags=["steps"])
+    def queued_steps(limit: Limit = 50,
+                     minutes: Annotated[int, Query(ge=1, le=7 * 24 * 60, description="the window of `waits`")] = 15,
+                     ) -> dict[str, Any]:
+        """Attempts waiting for an agent to take them, longest waiting first (``waiting_ms`` so far), and how
+        long the attempts taken in the last ``minutes`` waited (``waits``: count, mean, longest)."""
+        now = exact_ms(datetime.now(UTC))
+        items = [{**row, "waiting_ms": max(0, now - row["queued_at"])} for row in store.queued_steps(limit)]
+        return {"items": items, "waits": store.queue_waits(now - minutes * 60000)}
 
     @app.get("/api/steps/failed", tags=["steps"])
     def failed_steps(limit: Limit = 50) -> dict[str, Any]:

@@ -131,6 +131,19 @@ MIGRATIONS: tuple[tuple[int, Script], ...] = (
         -- one ordered range, keyset-paginated
         create index steps_leased on steps (complete_by, task_id, step) where status in ('processing', 'compensating');
     """),
+    (4, """
+        -- an attempt waits for an agent (queued, or compensation_queued) until one takes it: when it was handed
+        -- over, by when it must be taken, when it was, and how long it waited (of the step's last attempt,
+        -- forward or compensating). complete_by is the deadline in force: start_by while queued.
+        alter table steps add column queued_at integer;
+        alter table steps add column start_by integer;
+        alter table steps add column accepted_at integer;
+        alter table steps add column waited_ms integer;
+        -- the supervisor's scan covers queued attempts too (recovered after their start-by)
+        drop index steps_leased;
+        create index steps_leased on steps (complete_by, task_id, step)
+            where status in ('queued', 'processing', 'compensation_queued', 'compensating');
+    """),
 )
 
 

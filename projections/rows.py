@@ -4,8 +4,10 @@ Written against a DB-API connection with ``?`` placeholders so every backend sha
 the backend's transaction, together with the offset update.
 
 A step row's ``attempt_id`` and ``complete_by`` are the lock and deadline of whichever attempt of the step
-is in progress, forward (``processing``) or compensating, so the supervisor's one scan finds both; the
-compensation's own attempt number, failures, calls and error have columns of their own. Bodies in
+is in progress, forward or compensating, so the supervisor's one scan finds both; the compensation's own
+attempt number, failures, calls and error have columns of their own. An attempt is ``queued`` (or
+``compensation_queued``) until its agent takes it, with ``complete_by`` holding its start-by meanwhile; then
+``processing`` (or ``compensating``) with the work deadline, and ``waited_ms`` says how long it waited. Bodies in
 ``task_history`` are the events as the log holds them: sealed fields stay sealed.
 """
 
@@ -23,6 +25,7 @@ from schemas.messages import (
     MessageIgnored,
     OperatorAlert,
     OperatorCommandRefused,
+    StepAccepted,
     StepCompensated,
     StepCompensationFailed,
     StepCompensationSkipped,
@@ -85,17 +88,27 @@ def project(db: Executor, event: Event) -> None:
             )
             return
         case StepStarted():
+            status, deadline, start_by = _handed_over(event, "queued", "processing")
             db.execute(
                 "insert into steps(task_id, step, step_index, status, attempt, attempt_id, complete_by, "
-                "failure_count, calls_used, updated_at) values (?, ?, ?, 'processing', ?, ?, ?, 0, 0, ?) "
-                "on conflict(task_id, step) do update set status = 'processing', attempt = excluded.attempt, "
+                "failure_count, calls_used, updated_at, queued_at, start_by) "
+                "values (?, ?, ?, ?, ?, ?, ?, 0, 0, ?, ?, ?) "
+                "on conflict(task_id, step) do update set status = excluded.status, attempt = excluded.attempt, "
                 "attempt_id = excluded.attempt_id, complete_by = excluded.complete_by, "
-                "updated_at = excluded.updated_at",
-                (event.task_id, event.step, event.step_index, event.attempt, event.attempt_id,
-                 ms(event.complete_by), at),
+                "updated_at = excluded.updated_at, queued_at = excluded.queued_at, start_by = excluded.start_by, "
+                "accepted_at = null, waited_ms = null",
+                (event.task_id, event.step, event.step_index, status, event.attempt, event.attempt_id,
+                 deadline, at, at, start_by),
             )
             db.execute("update tasks set status = 'running', current_step = ? where task_id = ?",
                        (event.step, event.task_id))
+        case StepAccepted():
+            db.execute(
+                "update steps set status = ?, complete_by = ?, accepted_at = ?, waited_ms = ?, updated_at = ? "
+                "where task_id = ? and step = ?",
+                ("compensating" if event.compensation else "processing", ms(event.complete_by),
+                 ms(event.accepted_at), event.waited_ms, at, event.task_id, event.step),
+            )
         case StepSucceeded():
             db.execute(
                 "update steps set status = 'succeeded', calls_used = calls_used + ?, error = null, "
@@ -131,10 +144,12 @@ def project(db: Executor, event: Event) -> None:
             db.execute("update steps set status = 'compensation_skipped', updated_at = ? where task_id = ? "
                        "and step = ?", (at, event.task_id, event.step))
         case StepCompensationStarted():
+            status, deadline, start_by = _handed_over(event, "compensation_queued", "compensating")
             db.execute(
-                "update steps set status = 'compensating', compensation_attempt = ?, attempt_id = ?, complete_by = ?, "
-                "updated_at = ? where task_id = ? and step = ?",
-                (event.attempt, event.attempt_id, ms(event.complete_by), at, event.task_id, event.step),
+                "update steps set status = ?, compensation_attempt = ?, attempt_id = ?, complete_by = ?, "
+                "updated_at = ?, queued_at = ?, start_by = ?, accepted_at = null, waited_ms = null "
+                "where task_id = ? and step = ?",
+                (status, event.attempt, event.attempt_id, deadline, at, at, start_by, event.task_id, event.step),
             )
             db.execute("update tasks set current_step = ? where task_id = ?", (event.step, event.task_id))
         case StepCompensated():
@@ -165,6 +180,15 @@ def project(db: Executor, event: Event) -> None:
         case MessageIgnored() | OperatorCommandRefused():
             pass
     db.execute(task_update, (event.sequence, at, event.task_id))
+
+
+def _handed_over(event: StepStarted | StepCompensationStarted, queued: str,
+                 running: str) -> tuple[str, int, int | None]:
+    """An attempt's status, deadline in force and start-by as it is handed over: queued until an agent takes
+    it (its deadline the start-by), or running at once when the event predates acknowledgements."""
+    if event.start_by is None:
+        return running, ms(event.complete_by), None
+    return queued, ms(event.start_by), ms(event.start_by)
 
 
 def _headline(step: str | None, reason: str) -> str:

@@ -89,8 +89,10 @@ class ApiSettings(BaseSettings):
     tokens: dict[str, SecretStr] = Field(
         default_factory=dict, description="bearer tokens of the write endpoints, by who holds them, as JSON "
                                           '({"shop": "...", "alice": "..."}); none: writes are refused (401)')
-    max_in_flight: int = Field(default=10_000, ge=1, description="global bound: tasks in flight or waiting on "
-                                                                 "inbox past which submissions get 429")
+    max_in_flight: int = Field(default=12_000, ge=1, description="global bound: tasks in flight or waiting on "
+                               "inbox past which submissions get 429; the default is the scheduler's per-partition "
+                               "bound (2,000) times the default 6 partitions, so the API refuses before a "
+                               "scheduler partition has to")
     retry_after_s: int = Field(default=5, ge=1, description="Retry-After of a 429 or 503")
     decision_timeout_s: float = Field(default=5.0, gt=0, description="how long a write waits for the "
                                                                      "scheduler's answer before a 202")

@@ -226,13 +226,14 @@ class Store(ABC):
 
     # The status list must match the ``steps_leased`` partial index's word for word for the planner to use it.
     _EXPIRED = ("select task_id, step, attempt_id, complete_by from steps "
-                "where status in ('processing', 'compensating') and complete_by <= ? "
+                "where status in ('queued', 'processing', 'compensation_queued', 'compensating') and complete_by <= ? "
                 "and (complete_by, task_id, step) > (?, ?, ?) "
                 "order by complete_by, task_id, step limit ?")
 
     def expired_steps(self, now: datetime, *, not_before: datetime, after: tuple[int, str, str] | None = None,
                       limit: int = 100) -> list[ExpiredStep]:
-        """Steps ``processing`` or ``compensating`` whose deadline passed, oldest first, a keyset page at a time.
+        """Attempts in progress whose deadline passed -- queued ones after their start-by, running ones after
+        their complete-by, forward or compensating -- oldest first, a keyset page at a time.
 
         ``not_before`` bounds the window so a scan never walks the whole history; ``after`` is the last
         (complete_by, task_id, step) of the previous page. Served by the ``steps_leased`` partial index.
@@ -295,9 +296,22 @@ class Store(ABC):
         return {s: int(n) for s, n in self._rows("select status, count(*) from steps group by status")}
 
     def stuck_steps(self, now: datetime, limit: int = 50) -> list[dict[str, Any]]:
-        """Steps still processing or compensating after their deadline, oldest deadline first."""
-        return self._dicts("select * from steps where status in ('processing', 'compensating') "
-                           "and complete_by <= ? order by complete_by, task_id, step limit ?", (ms(now), limit))
+        """Steps still queued, processing or compensating after their deadline, oldest deadline first."""
+        return self._dicts("select * from steps where status in ('queued', 'processing', 'compensation_queued', "
+                           "'compensating') and complete_by <= ? order by complete_by, task_id, step limit ?",
+                           (ms(now), limit))
+
+    def queued_steps(self, limit: int = 50) -> list[dict[str, Any]]:
+        """Attempts waiting for an agent to take them (forward or compensating), longest waiting first."""
+        return self._dicts("select * from steps where status in ('queued', 'compensation_queued') "
+                           "order by queued_at, task_id, step limit ?", (limit,))
+
+    def queue_waits(self, since_ms: int) -> dict[str, Any]:
+        """How long attempts taken since ``since_ms`` waited for an agent: count, mean and longest (ms)."""
+        count, mean, longest = self._rows(
+            "select count(*), avg(waited_ms), max(waited_ms) from steps where accepted_at >= ?", (since_ms,))[0]
+        return {"accepted": int(count), "mean_ms": None if mean is None else round(float(mean)),
+                "max_ms": None if longest is None else int(longest)}
 
     def failed_steps(self, limit: int = 50) -> list[dict[str, Any]]:
         """Steps that failed or whose compensation failed, most recent first."""

@@ -10,6 +10,12 @@ had, and what lets tests compare decisions by value.
 State is only ever a fold of events. ``decide`` builds its events by evolving a working copy of the
 state as it goes, so every decision it returns has already passed ``evolve``'s transition checks.
 
+An attempt is *queued* from ``StepStarted`` until its agent acknowledges taking the request
+(``AttemptAccepted``, recorded as ``StepAccepted``): only its start-by runs meanwhile, and its work
+deadline (complete-by) is counted from the acknowledgement, so waiting behind other requests never fails a
+step. Recoveries wait for the deadline in force; a result needs no acknowledgement before it; a second
+acknowledgement, or one for another attempt, changes nothing.
+
 Compensation is part of the same machine. When a step gives up and its workflow's policy is
 ``compensate`` (or an operator cancels a running task, or orders compensation of a task in error), the
 task goes to ``compensating``: ``CompensationStarted`` names the steps that *may have been applied*, last
@@ -43,6 +49,7 @@ import orjson
 
 from scheduler.workflow import Workflow, WorkflowNotFoundError, WorkflowRegistry
 from schemas.messages import (
+    AttemptAccepted,
     CompensationRetried,
     CompensationStarted,
     Event,
@@ -52,6 +59,7 @@ from schemas.messages import (
     OperatorCommand,
     OperatorCommandRefused,
     RecoverStep,
+    StepAccepted,
     StepCompensated,
     StepCompensationFailed,
     StepCompensationSkipped,
@@ -84,7 +92,7 @@ FINAL: frozenset[str] = frozenset({"completed", "compensated"})
 ``rejected`` is left by a repeat of the same submission once admission control has room (a client told
 to retry later retries under the same task id, its idempotency key)."""
 
-Command: TypeAlias = SubmitTask | StepResult | RecoverStep | OperatorCommand
+Command: TypeAlias = SubmitTask | StepResult | RecoverStep | OperatorCommand | AttemptAccepted
 _RECORDS = (MessageIgnored, LateResultRecorded, OperatorAlert, OperatorCommandRefused)
 """Events that record something for operators and change nothing but the sequence (and seen commands)."""
 
@@ -102,6 +110,39 @@ class InvalidTransition(ValueError):
 
 
 @dataclass(frozen=True)
+class Lease:
+    """The clock of one attempt: handed over at ``started_at``, to be taken by an agent by ``start_by``,
+    taken at ``accepted_at``, its work to end by ``complete_by``.
+
+    While *queued* (no agent has acknowledged it) its deadline is ``start_by``, and ``complete_by`` is only
+    the latest its work could end (``start_by`` + timeout); once accepted, ``complete_by`` is counted from
+    ``accepted_at``. An attempt started without ``start_by`` (events written before acknowledgements)
+    runs against ``complete_by`` from its start.
+    """
+
+    started_at: datetime
+    complete_by: datetime
+    start_by: datetime | None = None
+    accepted_at: datetime | None = None
+
+    @property
+    def queued(self) -> bool:
+        return self.start_by is not None and self.accepted_at is None
+
+    @property
+    def deadline(self) -> datetime:
+        """Start-by while queued, complete-by once running: what the supervisor waits for before recovering."""
+        if self.start_by is not None and self.accepted_at is None:
+            return self.start_by
+        return self.complete_by
+
+    @property
+    def timeout(self) -> timedelta | None:
+        """While queued, the length of the work deadline the attempt was granted (None once running)."""
+        return self.complete_by - self.start_by if self.start_by is not None and self.accepted_at is None else None
+
+
+@dataclass(frozen=True)
 class CompensationState:
     """The compensation of one step, as far as it got: its attempts, budget spent and outcome.
 
@@ -111,7 +152,7 @@ class CompensationState:
 
     attempt: int = 0
     attempt_id: str | None = None
-    complete_by: datetime | None = None
+    lease: Lease | None = None
     failure_count: int = 0
     calls_used: int = 0
     calls_allowed: int = 0
@@ -133,7 +174,7 @@ class StepState:
     status: StepStatus = "pending"
     attempt: int = 0
     attempt_id: str | None = None
-    complete_by: datetime | None = None
+    lease: Lease | None = None
     failure_count: int = 0
     calls_used: int = 0
     calls_allowed: int = 0
@@ -151,13 +192,19 @@ class StepState:
         return None
 
     @property
-    def deadline(self) -> datetime | None:
-        """``complete_by`` of the attempt in progress."""
+    def current_lease(self) -> Lease | None:
+        """The clock of the attempt in progress: the forward one, or the compensation's."""
         if self.status == "processing":
-            return self.complete_by
+            return self.lease
         if self.status == "compensating":
-            return self.compensation.complete_by
+            return self.compensation.lease
         return None
+
+    @property
+    def deadline(self) -> datetime | None:
+        """Of the attempt in progress: its start-by while queued, its complete-by once an agent took it."""
+        lease = self.current_lease
+        return None if lease is None else lease.deadline
 
 
 @dataclass(frozen=True)
@@ -232,11 +279,21 @@ _MAY_BE_APPLIED: frozenset[str] = frozenset({"succeeded", "failed"})
 _UNDO_CANDIDATES: frozenset[str] = _MAY_BE_APPLIED | {"compensation_failed"}
 
 
+DEFAULT_MAX_IN_FLIGHT = 2_000
+"""Non-terminal tasks per inbox partition before submissions are rejected: what the system can work off
+well within a queued step's start-by. Measured on the reference machine (BENCHMARKS.md, issue 12 item 3),
+the whole system completes about 310 steps/s with a 50 ms service; a backlog of N tasks (3 steps each)
+takes 3N/310 s, and the last request of it waits about that long for an agent. 6 partitions x 2,000 =
+12,000 tasks is about 116 s of work, under half the default start-by of 300 s: a burst the system admits
+is worked off without an attempt expiring queued, one past it is refused at the door (``TaskRejected``,
+HTTP 429) instead of failing in the middle. Faster machines or more agents can raise it, in proportion."""
+
+
 @dataclass(frozen=True)
 class Limits:
     """Bounds the decider enforces. ``max_in_flight`` is per scheduler partition (admission control)."""
 
-    max_in_flight: int = 10_000
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
 
     def __post_init__(self) -> None:
         if self.max_in_flight < 0:
@@ -320,6 +377,8 @@ def decide(
     reason = _not_current(state, command)
     if reason is None and isinstance(command, RecoverStep):
         reason = _deadline_not_passed(_current(state)[1], now)
+    if reason is None and isinstance(command, AttemptAccepted):
+        reason = _not_queued(_current(state)[1])
     if reason is not None and isinstance(command, StepResult) and _record_late_result(builder, command):
         return builder.decision()
     if reason is not None:
@@ -329,6 +388,9 @@ def decide(
             message_type=type(command).__name__,
             reason=reason,
         )
+        return builder.decision()
+    if isinstance(command, AttemptAccepted):
+        _on_accepted(builder, command)
         return builder.decision()
     try:
         workflow = registry.get(state.workflow, state.workflow_version)
@@ -446,7 +508,7 @@ def _current(state: TaskState) -> tuple[int, StepState]:
     return state.current_step, state.steps[state.current_step]
 
 
-def _not_current(state: TaskState, command: StepResult | RecoverStep) -> str | None:
+def _not_current(state: TaskState, command: StepResult | RecoverStep | AttemptAccepted) -> str | None:
     """Why ``command`` does not concern the attempt in progress, or None when it does."""
     if state.is_terminal:
         return f"task is {state.status}"
@@ -455,8 +517,8 @@ def _not_current(state: TaskState, command: StepResult | RecoverStep) -> str | N
     current = state.steps[state.current_step]
     if current.lock != command.attempt_id:
         return f"not the current attempt: step {current.name!r} is at {current.lock}"
-    if isinstance(command, StepResult) and command.step != current.name:
-        return f"the result names step {command.step!r} but attempt {command.attempt_id} is of {current.name!r}"
+    if isinstance(command, StepResult | AttemptAccepted) and command.step != current.name:
+        return f"the message names step {command.step!r} but attempt {command.attempt_id} is of {current.name!r}"
     return None
 
 
@@ -509,11 +571,47 @@ def _late_consequence(step: StepState, ok: bool, is_undo: bool) -> str:
 
 
 def _deadline_not_passed(current: StepState, now: datetime) -> str | None:
-    """A recovery is conditional on the deadline: the supervisor's clock may run ahead of the scheduler's."""
-    deadline = current.deadline
-    if deadline is not None and now < deadline:
-        return f"deadline not passed: attempt {current.lock} may run until {deadline.isoformat()}"
-    return None
+    """A recovery is conditional on the deadline in force: start-by for a queued attempt, complete-by for a
+    running one (the supervisor's clock may run ahead of the scheduler's, and its view behind the log)."""
+    lease = current.current_lease
+    if lease is None or now >= lease.deadline:
+        return None
+    if lease.queued:
+        return f"start-by not passed: attempt {current.lock} may wait for an agent until {lease.deadline.isoformat()}"
+    return f"deadline not passed: attempt {current.lock} may run until {lease.deadline.isoformat()}"
+
+
+def _not_queued(current: StepState) -> str | None:
+    """An acknowledgement starts the work deadline once: a redelivered request's second one changes nothing."""
+    lease = current.current_lease
+    if lease is None or lease.queued:
+        return None
+    if lease.accepted_at is None:
+        return f"attempt {current.lock} runs from its start (no start-by): nothing to accept"
+    return (f"attempt {current.lock} already accepted at {lease.accepted_at.isoformat()}: its deadline stays "
+            f"{lease.complete_by.isoformat()}")
+
+
+def _on_accepted(builder: _Builder, accepted: AttemptAccepted) -> None:
+    """An agent took the queued attempt in progress: its work deadline runs from ``accepted_at``.
+
+    The length is the one the attempt was granted (start-by to latest end), and the deadline is never
+    later than that latest end: the agent computes the same instant from its request, so both sides
+    agree on when the attempt's work must stop.
+    """
+    _index, current = _current(builder.state)
+    lease = current.current_lease
+    if lease is None or lease.timeout is None:
+        raise ValueError(f"attempt {current.lock} is not queued")
+    builder.emit(
+        StepAccepted,
+        step=current.name,
+        attempt_id=current.lock,
+        compensation=current.status == "compensating",
+        accepted_at=accepted.accepted_at,
+        complete_by=min(accepted.accepted_at + lease.timeout, lease.complete_by),
+        waited_ms=max(0, (accepted.accepted_at - lease.started_at) // timedelta(milliseconds=1)),
+    )
 
 
 def _alert_overspend(builder: _Builder, step: str, attempt: str | None, reported: int, allowed: int) -> None:
@@ -567,13 +665,20 @@ def _on_timeout(builder: _Builder, workflow: Workflow, recover: RecoverStep) -> 
         StepFailed,
         step=current.name,
         attempt_id=current.attempt_id,
-        error=f"attempt {current.attempt_id} timed out: {recover.reason}",
+        error=_expiry(current.attempt_id, current.lease, recover),
         permanent=False,
         timed_out=True,
         calls=current.calls_allowed,
         failure_count=current.failure_count + 1,
     )
     _retry_or_escalate(builder, workflow, index)
+
+
+def _expiry(attempt: str | None, lease: Lease | None, recover: RecoverStep) -> str:
+    """Why an expired attempt failed: no agent took it in time, or its work outlived its deadline."""
+    if lease is not None and lease.queued:
+        return f"attempt {attempt} was not taken by an agent before its start-by: {recover.reason}"
+    return f"attempt {attempt} timed out: {recover.reason}"
 
 
 def _retry_or_escalate(builder: _Builder, workflow: Workflow, index: int) -> None:
@@ -610,13 +715,15 @@ def _start_attempt(builder: _Builder, workflow: Workflow, index: int) -> None:
         )
         return
     attempt = prior.attempt + 1
+    start_by = builder.now + timedelta(seconds=step.queue_timeout_s)
     builder.emit(
         StepStarted,
         step=step.name,
         step_index=index,
         attempt=attempt,
         attempt_id=attempt_id(builder.state.task_id, step.name, attempt),
-        complete_by=builder.now + timedelta(seconds=step.timeout_s),
+        start_by=start_by,
+        complete_by=start_by + timedelta(seconds=step.timeout_s),
         calls_allowed=allowed,
     )
 
@@ -678,13 +785,15 @@ def _start_compensation_attempt(builder: _Builder, workflow: Workflow, index: in
         )
         return
     attempt = prior.attempt + 1
+    start_by = builder.now + timedelta(seconds=compensation.queue_timeout_s)
     builder.emit(
         StepCompensationStarted,
         step=spec.name,
         step_index=index,
         attempt=attempt,
         attempt_id=compensation_attempt_id(builder.state.task_id, spec.name, attempt),
-        complete_by=builder.now + timedelta(seconds=compensation.timeout_s),
+        start_by=start_by,
+        complete_by=start_by + timedelta(seconds=compensation.timeout_s),
         calls_allowed=allowed,
     )
 
@@ -719,7 +828,7 @@ def _on_compensation_timeout(builder: _Builder, workflow: Workflow, recover: Rec
         StepCompensationFailed,
         step=current.name,
         attempt_id=undo.attempt_id,
-        error=f"attempt {undo.attempt_id} timed out: {recover.reason}",
+        error=_expiry(undo.attempt_id, undo.lease, recover),
         permanent=False,
         timed_out=True,
         calls=undo.calls_allowed,
@@ -849,6 +958,7 @@ def _check_operator(state: TaskState, command: OperatorCommand) -> tuple[str | N
 
 _ALLOWED_FROM: dict[type[Event], frozenset[str]] = {
     StepStarted: frozenset({"accepted", "running"}),
+    StepAccepted: frozenset({"running", "compensating"}),
     StepSucceeded: frozenset({"running"}),
     StepFailed: frozenset({"running"}),
     TaskCompleted: frozenset({"running"}),
@@ -897,13 +1007,15 @@ def evolve(state: TaskState | None, event: Event) -> TaskState:
     if state.status not in allowed:
         raise InvalidTransition(f"task {state.task_id!r} is {state.status}: {type(event).__name__} cannot follow")
     if state.current_step is not None and not isinstance(
-        event, StepSucceeded | StepFailed | StepCompensated | StepCompensationFailed
+        event, StepAccepted | StepSucceeded | StepFailed | StepCompensated | StepCompensationFailed
     ):
         raise InvalidTransition(f"task {state.task_id!r} has an attempt in progress: "
                                 f"{type(event).__name__} cannot follow before it ends")
     match event:
         case StepStarted():
             return _step_started(state, event)
+        case StepAccepted():
+            return _accepted(state, event)
         case StepSucceeded():
             index, step = _attempt_in_progress(state, event.step, event.attempt_id, "processing")
             done = replace(step, status="succeeded", output=event.output, calls_used=step.calls_used + event.calls)
@@ -1034,11 +1146,26 @@ def _step_started(state: TaskState, event: StepStarted) -> TaskState:
         status="processing",
         attempt=event.attempt,
         attempt_id=event.attempt_id,
-        complete_by=event.complete_by,
+        lease=Lease(event.occurred_at, event.complete_by, event.start_by),
         calls_allowed=event.calls_allowed,
     )
     steps = (*state.steps[:index], started, *state.steps[index + 1 :])
     return replace(state, status="running", sequence=event.sequence, steps=steps, current_step=index)
+
+
+def _accepted(state: TaskState, event: StepAccepted) -> TaskState:
+    """The queued attempt in progress was taken by an agent: its deadline becomes the work deadline."""
+    status: StepStatus = "compensating" if event.compensation else "processing"
+    index, step = _attempt_in_progress(state, event.step, event.attempt_id, status)
+    lease = step.current_lease
+    if lease is None or not lease.queued:
+        raise InvalidTransition(f"attempt {event.attempt_id} of step {step.name!r} is not queued: "
+                                "it cannot be accepted")
+    lease = replace(lease, accepted_at=event.accepted_at, complete_by=event.complete_by)
+    taken = (replace(step, compensation=replace(step.compensation, lease=lease)) if event.compensation
+             else replace(step, lease=lease))
+    steps = (*state.steps[:index], taken, *state.steps[index + 1 :])
+    return replace(state, sequence=event.sequence, steps=steps)
 
 
 def _compensation_started(state: TaskState, event: CompensationStarted) -> TaskState:
@@ -1069,7 +1196,7 @@ def _compensation_attempt_started(state: TaskState, event: StepCompensationStart
             f"the next is {step.compensation.attempt + 1}, not {event.attempt}"
         )
     undo = replace(step.compensation, attempt=event.attempt, attempt_id=event.attempt_id,
-                   complete_by=event.complete_by, calls_allowed=event.calls_allowed)
+                   lease=Lease(event.occurred_at, event.complete_by, event.start_by), calls_allowed=event.calls_allowed)
     steps = (*state.steps[:index], replace(step, status="compensating", compensation=undo), *state.steps[index + 1 :])
     return replace(state, sequence=event.sequence, steps=steps, current_step=index)
 

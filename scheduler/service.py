@@ -6,6 +6,10 @@ and status updates those events call for, and commits the inbox offsets, all in 
 Owning an inbox partition in the consumer group is the lock on its tasks; before handling any command of
 a newly assigned partition it restores that partition's tasks by folding ``events``.
 
+An attempt's request carries its start-by and the length of its work deadline; the agent that takes it
+acknowledges on ``inbox`` (``AttemptAccepted``) and the decider records ``StepAccepted``, which starts the
+work deadline (see ``scheduler.workflow.Step``).
+
 Compensation attempts are agent requests like forward ones, to the compensation's agent, with the step's
 compensation idempotency key. Sensitive output fields are sealed on their way to ``events`` and opened
 when a partition is restored (``scheduler.sealing``); the agents get clear values, as their services need.
@@ -41,6 +45,7 @@ from scheduler.sealing import EventSealer
 from scheduler.workflow import WorkflowRegistry
 from schemas.messages import (
     AgentRequest,
+    AttemptAccepted,
     CompensationStarted,
     Event,
     Message,
@@ -103,7 +108,7 @@ class Scheduler:
 
     def handle(self, record: Record, output: EventProducer) -> None:
         command = record.message
-        if not isinstance(command, (SubmitTask, StepResult, RecoverStep, OperatorCommand)):
+        if not isinstance(command, (SubmitTask, StepResult, RecoverStep, OperatorCommand, AttemptAccepted)):
             raise PoisonMessageError(f"{type(command).__name__} is not a command the scheduler takes")
         tasks = self._tasks.setdefault(record.partition, {})
         state = tasks.get(command.task_id)
@@ -145,11 +150,11 @@ class Scheduler:
         undoes_key: str | None = None
         undoes_attempt: int | None = None
         if isinstance(event, StepStarted):
-            agent, key, data = step.agent, forward_key, state.step_input()
+            agent, key, data, timeout_s = step.agent, forward_key, state.step_input(), step.timeout_s
         else:
             if step.compensation is None:
                 raise ValueError(f"step {step.name!r} has no compensation to request")
-            agent = step.compensation.agent
+            agent, timeout_s = step.compensation.agent, step.compensation.timeout_s
             key = compensation_idempotency_key(state.task_id, step.name)
             data = state.compensation_input(event.step_index)
             # The undo names the forward key so the service tombstones it: no forward attempt still in
@@ -159,7 +164,8 @@ class Scheduler:
         output.send(self.layout.agent(agent), AgentRequest(
             task_id=state.task_id, step=event.step, attempt=event.attempt, attempt_id=event.attempt_id,
             idempotency_key=key, complete_by=event.complete_by, calls_allowed=event.calls_allowed, input=data,
-            undoes_key=undoes_key, undoes_attempt=undoes_attempt,
+            undoes_key=undoes_key, undoes_attempt=undoes_attempt, start_by=event.start_by, timeout_s=timeout_s,
+            compensation=isinstance(event, StepCompensationStarted),
         ))
 
     def _reply_topic(self, state: TaskState, command: Message) -> str | None:

@@ -7,6 +7,7 @@ import importlib
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from scheduler.decider import DEFAULT_MAX_IN_FLIGHT
 from scheduler.workflow import WorkflowRegistry
 
 
@@ -15,7 +16,8 @@ class SchedulerSettings(BaseSettings):
 
     workflows: str = Field(default="demo.workflows:REGISTRY", pattern=r"^[\w.]+:\w+$",
                            description="module:attribute of the WorkflowRegistry to run")
-    max_in_flight: int = Field(default=10_000, ge=1, description="admission bound per inbox partition")
+    max_in_flight: int = Field(default=DEFAULT_MAX_IN_FLIGHT, ge=1, description="admission bound per inbox "
+                               "partition (the default's reasoning: scheduler.decider.DEFAULT_MAX_IN_FLIGHT)")
     instance: str | None = Field(default=None, pattern=r"^[\w.-]+$",
                                  description="stable name of this scheduler; a restart fences its predecessor")
 

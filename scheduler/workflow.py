@@ -14,6 +14,12 @@ from pydantic import BaseModel, ValidationError
 
 Escalation = Literal["error", "compensate"]
 
+DEFAULT_QUEUE_TIMEOUT_S = 300.0
+"""How long an attempt's request may wait for an agent to take it (schedule-to-start). Generous: a wait
+is not a failure, and a request nobody takes for five minutes means the agents are down or far behind
+(admission control keeps a burst's wait well below it; see the README), which the supervisor then
+surfaces as a timed-out attempt."""
+
 
 class WorkflowNotFoundError(LookupError):
     """No workflow registered under that name (and version)."""
@@ -23,7 +29,7 @@ class WorkflowNotFoundError(LookupError):
 class Compensation:
     """The action that undoes a completed step: an agent call like any other.
 
-    Its attempts get their own deadline, call budget and per-attempt allowance, and the workflow's
+    Its attempts get their own deadlines, call budget and per-attempt allowance, and the workflow's
     ``failure_threshold`` bounds its failed attempts as it bounds the forward step's.
     """
 
@@ -31,12 +37,13 @@ class Compensation:
     timeout_s: float = 10.0
     attempt_budget: int = 5
     calls_per_attempt: int = 3
+    queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if not self.agent:
             raise ValueError("a compensation needs an agent")
-        if self.timeout_s <= 0:
-            raise ValueError(f"compensation by {self.agent}: timeout_s must be positive")
+        if self.timeout_s <= 0 or self.queue_timeout_s <= 0:
+            raise ValueError(f"compensation by {self.agent}: timeout_s and queue_timeout_s must be positive")
         if self.attempt_budget < 1 or self.calls_per_attempt < 1:
             raise ValueError(f"compensation by {self.agent}: attempt_budget and calls_per_attempt must be at least 1")
 
@@ -47,6 +54,12 @@ class Step:
 
     ``attempt_budget`` bounds the calls to the remote service across every attempt of the step (agent
     retries and supervisor recoveries together); ``calls_per_attempt`` bounds one attempt's share.
+
+    An attempt has two deadlines, as Temporal's activities do (schedule-to-start, start-to-close): an
+    agent must take its request within ``queue_timeout_s`` of the attempt's start (the request waits in
+    the agent's topic meanwhile, *queued*), and once taken its work must end within ``timeout_s``. So a
+    burst larger than the agents' capacity waits instead of failing, while a hung call or a dead agent is
+    still caught ``timeout_s`` after the work began.
 
     ``sensitive_output`` classifies the step's output: ``True`` marks every top-level field, a set of
     names marks those fields. Marked fields are encrypted wherever the event log keeps them, and the
@@ -60,12 +73,13 @@ class Step:
     calls_per_attempt: int = 3
     compensation: Compensation | None = None
     sensitive_output: bool | frozenset[str] = False
+    queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if not self.name or not self.agent:
             raise ValueError("a step needs a name and an agent")
-        if self.timeout_s <= 0:
-            raise ValueError(f"step {self.name}: timeout_s must be positive")
+        if self.timeout_s <= 0 or self.queue_timeout_s <= 0:
+            raise ValueError(f"step {self.name}: timeout_s and queue_timeout_s must be positive")
         if self.attempt_budget < 1 or self.calls_per_attempt < 1:
             raise ValueError(f"step {self.name}: attempt_budget and calls_per_attempt must be at least 1")
         if isinstance(self.sensitive_output, frozenset) and (

@@ -33,6 +33,8 @@ def _is_json_object(annotation: Any) -> bool:
 def _avro_type(annotation: Any) -> Any:
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
+    if origin is typing.Annotated:  # an optional Timestamp: the validator is pydantic's, the type is the first arg
+        return _avro_type(args[0])
     if origin in (Union, types.UnionType):
         non_null = [a for a in args if a is not type(None)]
         if len(non_null) != 1 or len(args) != 2:

@@ -7,7 +7,7 @@ version: run ``python -m schemas.freeze`` and keep the old ``.avsc`` file, so ol
 from __future__ import annotations
 
 import uuid
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
@@ -74,14 +74,38 @@ class TaskRejected(Event):
 
 
 class StepStarted(Event):
-    """An attempt of a step was handed to its agent. ``attempt_id`` is the lock (locked_by)."""
+    """An attempt of a step was handed to its agent. ``attempt_id`` is the lock (locked_by).
+
+    The attempt is *queued* until its agent takes the request (``StepAccepted``): an agent must take it by
+    ``start_by``, and its work deadline runs from that moment, so time spent waiting behind other requests
+    never counts against the step's ``timeout_s``. Events written before acknowledgements existed carry no
+    ``start_by``: their attempt ran against ``complete_by`` from the start.
+    """
 
     step: str
     step_index: int = Field(ge=0)
     attempt: int = Field(ge=1)
     attempt_id: str
-    complete_by: Timestamp
+    complete_by: Timestamp = Field(description="the latest the attempt's work may end: start_by + the step's "
+                                               "timeout (before start_by existed: the deadline from the start)")
     calls_allowed: int = Field(ge=0, description="calls the agent may still make within the step's budget")
+    start_by: Timestamp | None = Field(default=None, description="an agent must take the request by then; "
+                                                                 "None: running from the start (older events)")
+
+
+class StepAccepted(Event):
+    """An agent took the current attempt's request and began its work: the running deadline starts here.
+
+    ``complete_by`` is ``accepted_at`` plus the step's (or the compensation's) timeout, never later than
+    the attempt's latest end; ``waited_ms`` is how long the request waited for an agent (its queue wait).
+    """
+
+    step: str
+    attempt_id: str
+    compensation: bool = Field(default=False, description="the attempt is a compensation attempt")
+    accepted_at: Timestamp
+    complete_by: Timestamp
+    waited_ms: int = Field(ge=0, description="from the attempt's start (handed over) to accepted_at")
 
 
 class StepSucceeded(Event):
@@ -182,14 +206,20 @@ class StepCompensationSkipped(Event):
 
 
 class StepCompensationStarted(Event):
-    """An attempt of a step's compensation was handed to its agent. ``attempt_id`` is the lock."""
+    """An attempt of a step's compensation was handed to its agent. ``attempt_id`` is the lock.
+
+    Queued until its agent takes it, exactly like a forward attempt (``StepStarted``).
+    """
 
     step: str
     step_index: int = Field(ge=0)
     attempt: int = Field(ge=1)
     attempt_id: str
-    complete_by: Timestamp
+    complete_by: Timestamp = Field(description="the latest the attempt's work may end: start_by + the "
+                                               "compensation's timeout (before start_by existed: the deadline)")
     calls_allowed: int = Field(ge=0, description="calls the agent may still make within the compensation's budget")
+    start_by: Timestamp | None = Field(default=None, description="an agent must take the request by then; "
+                                                                 "None: running from the start (older events)")
 
 
 class StepCompensated(Event):
@@ -287,6 +317,22 @@ class StepResult(Message):
     calls: int = Field(default=1, ge=0)
 
 
+class AttemptAccepted(Message):
+    """An agent took an attempt's request and begins its work now (``accepted_at``, the agent's clock).
+
+    Sent on ``inbox`` before the attempt's result, by the same producer with the same key, so the result
+    normally follows it on the same partition. The work deadline runs from here: ``accepted_at`` plus the
+    request's ``timeout_s``. A redelivered request is acknowledged again; the second changes nothing.
+    """
+
+    kind: ClassVar[str] = "command"
+
+    step: str
+    attempt_id: str
+    compensation: bool = Field(default=False, description="the attempt is a compensation attempt")
+    accepted_at: Timestamp
+
+
 class RecoverStep(Message):
     """The supervisor asks the scheduler to recover an attempt whose deadline passed."""
 
@@ -319,13 +365,20 @@ class OperatorCommand(Message):
 
 
 class AgentRequest(Message):
-    """Work for an agent: one attempt of one step."""
+    """Work for an agent: one attempt of one step.
+
+    A request with ``start_by`` is acknowledged (``AttemptAccepted``) when an agent takes it, and its work
+    deadline is that moment plus ``timeout_s``, never later than ``complete_by``; one taken after
+    ``start_by`` is answered at once without a call. Without ``start_by`` (older requests) the deadline is
+    ``complete_by``.
+    """
 
     step: str
     attempt: int = Field(ge=1, description="fencing token for the remote service")
     attempt_id: str
     idempotency_key: str = Field(description="the same across every attempt of a step")
-    complete_by: Timestamp
+    complete_by: Timestamp = Field(description="no work of the attempt after this: start_by + timeout_s when "
+                                               "start_by is set, else the attempt's deadline")
     calls_allowed: int = Field(ge=0)
     input: JsonObject
     undoes_key: str | None = Field(
@@ -333,6 +386,16 @@ class AgentRequest(Message):
         "the service refuses every later forward call with that key (a tombstone)")
     undoes_attempt: int | None = Field(
         default=None, ge=1, description="a compensation's only: the highest forward attempt (fencing token) started")
+    start_by: Timestamp | None = Field(default=None, description="take the request by then or answer it unstarted")
+    timeout_s: float | None = Field(default=None, gt=0, description="the work deadline's length, from acceptance")
+    compensation: bool = Field(default=False, description="the attempt is a compensation attempt")
+
+    def work_deadline(self, accepted_at: datetime) -> datetime:
+        """When the attempt's work must end if an agent takes the request at ``accepted_at``: the same
+        instant the scheduler records from the acknowledgement (both never later than ``complete_by``)."""
+        if self.timeout_s is None:
+            return self.complete_by
+        return min(self.complete_by, utc_millis(accepted_at) + timedelta(seconds=self.timeout_s))
 
 
 class StatusUpdate(Message):
@@ -370,4 +433,6 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     OperatorCommandRefused,
     OperatorCommand,
     LateResultRecorded,
+    StepAccepted,
+    AttemptAccepted,
 )

@@ -1,7 +1,9 @@
 """``stepstream run supervisor``: finds attempts whose deadline passed and asks the scheduler to recover them.
 
-Attempts are forward ones (a step ``processing``) and compensating ones (a step ``compensating``): the
-state store lists both in one index-backed scan, and the recovery is the same request either way. The
+Attempts are forward ones and compensating ones, each either queued (no agent took it yet: its deadline is
+its start-by) or running (its deadline is its complete-by, counted from the agent's acknowledgement): the
+state store lists them all in one index-backed scan over the deadline in force, and the recovery is the
+same request either way. The
 scheduler retries below the workflow's failure threshold and escalates past it: a stuck compensation
 ends ``compensation_failed`` with an operator alert naming its step.
 

@@ -16,6 +16,7 @@ from schemas.messages import (
     Event,
     MessageIgnored,
     OperatorAlert,
+    StepAccepted,
     StepFailed,
     StepStarted,
     StepSucceeded,
@@ -30,8 +31,9 @@ WORKFLOWS = ("orders", "refunds")
 
 
 def history(task_id: str, rng: random.Random, start: datetime, *, in_flight: bool = False) -> list[Event]:
-    """One task's events in order. ``in_flight``: stop at a step still processing (its deadline ``start``
-    + 5 s), as a task whose agent died would."""
+    """One task's events in order. Attempts start queued and are mostly acknowledged by their agent (some
+    results come without one). ``in_flight``: stop at a step still processing (its deadline ``start`` + 5 s),
+    as a task whose agent died after taking it would."""
     workflow = rng.choice(WORKFLOWS)
     common: dict[str, Any] = {"task_id": task_id, "workflow": workflow, "workflow_version": 1,
                               "causation_id": f"c-{task_id}"}
@@ -52,10 +54,18 @@ def history(task_id: str, rng: random.Random, start: datetime, *, in_flight: boo
         failures = 0
         while True:
             attempt_id = f"{task_id}:{step}:{failures + 1}"
+            start_by = start + timedelta(seconds=300)
             add(StepStarted, step=step, step_index=index, attempt=failures + 1, attempt_id=attempt_id,
-                complete_by=start + timedelta(seconds=5), calls_allowed=3)
+                start_by=start_by, complete_by=start_by + timedelta(seconds=5), calls_allowed=3)
             if in_flight and index == len(STEPS) - 1:
+                add(StepAccepted, step=step, attempt_id=attempt_id, accepted_at=start, waited_ms=0,
+                    complete_by=start + timedelta(seconds=5))
                 return events
+            if rng.random() < 0.8:
+                waited_ms = rng.randint(0, 2000)
+                add(StepAccepted, step=step, attempt_id=attempt_id, waited_ms=waited_ms,
+                    accepted_at=start + timedelta(milliseconds=elapsed_ms + waited_ms),
+                    complete_by=start + timedelta(milliseconds=elapsed_ms + waited_ms, seconds=5))
             roll = rng.random()
             if roll < 0.12 and failures < 2:
                 failures += 1

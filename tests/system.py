@@ -113,6 +113,13 @@ class System:
             except sqlite3.OperationalError:
                 return {}
 
+    def steps(self, task_id: str) -> list[dict[str, Any]]:
+        """The task's step rows in the state store, in workflow order."""
+        with sqlite3.connect(self.store_path, timeout=10) as db:
+            db.row_factory = sqlite3.Row
+            return [dict(row) for row in db.execute("select * from steps where task_id = ? order by step_index",
+                                                    (task_id,))]
+
     def wait_terminal(self, task_ids: Iterable[str], timeout_s: float = 60.0) -> dict[str, str]:
         ids = list(task_ids)
         deadline = time.monotonic() + timeout_s

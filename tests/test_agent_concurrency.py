@@ -14,7 +14,7 @@ from confluent_kafka.admin import AdminClient
 
 from eventstore.replay import ReplayReader
 from eventstore.topics import ensure_topics
-from schemas.messages import AgentRequest, StepResult
+from schemas.messages import AgentRequest, AttemptAccepted, StepResult
 from tests.kafka_helpers import read_all, wait_for
 from tests.system import System
 
@@ -25,9 +25,12 @@ OP = "inventory/reserve"
 
 
 def _request(task_id: str, attempt: int = 1) -> AgentRequest:
+    """A queued attempt as the scheduler makes it: to be taken within 5 minutes, a minute of work from then."""
+    start_by = datetime.now(UTC) + timedelta(minutes=5)
     return AgentRequest(task_id=task_id, step="reserve", attempt=attempt, attempt_id=f"{task_id}:reserve:{attempt}",
-                        idempotency_key=f"{task_id}:reserve", complete_by=datetime.now(UTC) + timedelta(minutes=5),
-                        calls_allowed=3, input={"task": {"order_id": task_id, "sku": "A-1", "qty": 1}})
+                        idempotency_key=f"{task_id}:reserve", start_by=start_by, timeout_s=60,
+                        complete_by=start_by + timedelta(seconds=60), calls_allowed=3,
+                        input={"task": {"order_id": task_id, "sku": "A-1", "qty": 1}})
 
 
 def _prepare(system: System, concurrency: int, latency_ms: int) -> None:
@@ -49,6 +52,12 @@ def _answers(system: System) -> dict[str, list[StepResult]]:
         if isinstance(record.message, StepResult):
             by_attempt.setdefault(record.message.attempt_id, []).append(record.message)
     return by_attempt
+
+
+def _acknowledgements(system: System) -> Counter[str]:
+    """How often each attempt was acknowledged on inbox (a request redone after a crash is taken again)."""
+    return Counter(record.message.attempt_id for record in ReplayReader(system.bootstrap, system.layout.inbox)
+                   if isinstance(record.message, AttemptAccepted))
 
 
 def _all_answered(system: System, requests: list[AgentRequest], timeout_s: float = 90) -> dict[str, list[StepResult]]:
@@ -104,6 +113,9 @@ def test_an_agent_killed_with_dozens_of_calls_in_flight_is_restarted_and_answers
     assert len(applied) == len(requests), "no request was lost"
     assert set(applied.values()) == {1}, "no side effect was applied twice"
     assert sum(system.admin.calls()["requests"][OP].values()) > len(requests), "the killed calls were redone"
+    acknowledged = _acknowledgements(system)
+    assert set(acknowledged) == {r.attempt_id for r in requests}, "every request was acknowledged when taken"
+    assert max(acknowledged.values()) >= 2, "a request redone after the crash was acknowledged again"
 
 
 def test_sigterm_finishes_every_call_in_flight_answers_it_and_exits_zero(system: System) -> None:

@@ -18,7 +18,7 @@ from projections.dlq_rows import project_dead_letter
 from projections.lag import PROJECTION, LagReader
 from projections.settings import StoreSpec
 from projections.store import Positioned, Store
-from schemas.messages import Event, OperatorAlert, StepFailed, StepStarted
+from schemas.messages import Event, OperatorAlert, StepAccepted, StepFailed, StepStarted, TaskAccepted
 from tests.histories import histories, publish
 
 LAYOUT = TopicLayout(prefix="api.", partitions=3)
@@ -115,7 +115,7 @@ def test_counts_stuck_and_failed_steps_alerts_dead_letters_and_throughput_agree_
     counts = client.get("/api/counts").json()
     assert counts["tasks"] == store.counts_by_status() and counts["total"] == 300
     last = {e.task_id: e for e in events}
-    in_flight = sum(isinstance(e, StepStarted) for e in last.values())
+    in_flight = sum(isinstance(e, StepStarted | StepAccepted) for e in last.values())
     stuck = client.get("/api/steps/stuck?limit=500").json()["items"]
     assert len(stuck) == in_flight > 0 and {s["status"] for s in stuck} == {"processing"}
     failed = client.get("/api/steps/failed?limit=500").json()["items"]
@@ -160,8 +160,8 @@ def test_an_invalid_parameter_gets_a_422_naming_it(client: TestClient, query: st
 def test_openapi_describes_every_endpoint(client: TestClient) -> None:
     paths = client.get("/openapi.json").json()["paths"]
     assert set(paths) == {"/api/tasks", "/api/tasks/{task_id}", "/api/counts", "/api/steps/stuck",
-                          "/api/steps/failed", "/api/alerts", "/api/dlq", "/api/dlq/summary", "/api/lag",
-                          "/api/throughput", "/api/health"}
+                          "/api/steps/queued", "/api/steps/failed", "/api/alerts", "/api/dlq", "/api/dlq/summary",
+                          "/api/lag", "/api/throughput", "/api/health"}
     assert {p["name"] for p in paths["/api/tasks"]["get"]["parameters"]} == {
         "state", "workflow", "since", "until", "limit", "cursor"}
 
@@ -199,6 +199,28 @@ def test_lag_is_committed_offsets_against_the_end_of_the_log_per_group_and_parti
         assert f'stepstream_projection_lag{{partition="1",topic="{layout.events}"}}' in metrics
     finally:
         store.close()
+
+
+def test_queued_steps_show_how_long_they_have_waited_and_taken_ones_how_long_they_waited(
+    client: TestClient, store: Store,
+) -> None:
+    started = datetime.now(UTC) - timedelta(seconds=30)
+    common = {"task_id": "waits", "workflow": "orders", "workflow_version": 1, "causation_id": "c",
+              "occurred_at": started}
+    store.apply_events(LAYOUT.events, [Positioned(2, i, e) for i, e in enumerate([
+        TaskAccepted(**common, sequence=1, input={}, input_digest="d"),
+        StepStarted(**common, sequence=2, step="reserve", step_index=0, attempt=1, attempt_id="waits:reserve:1",
+                    calls_allowed=1, start_by=started + timedelta(seconds=300),
+                    complete_by=started + timedelta(seconds=305)),
+    ])])
+    queued = client.get("/api/steps/queued").json()
+    [item] = queued["items"]
+    assert (item["task_id"], item["status"]) == ("waits", "queued") and 30_000 <= item["waiting_ms"] < 60_000
+    waits = queued["waits"]  # the histories' steps were taken 20 minutes ago, out of the default window
+    assert waits == {"accepted": 0, "mean_ms": None, "max_ms": None}
+    hour = client.get("/api/steps/queued?minutes=60").json()["waits"]
+    assert hour["accepted"] > 0 and 0 <= hour["mean_ms"] <= hour["max_ms"] <= 2000
+    assert 'stepstream_steps{state="queued"} 1.0' in client.get("/metrics").text
 
 
 def test_metrics_expose_dlq_depth_and_task_counts_without_a_broker(client: TestClient, store: Store) -> None:

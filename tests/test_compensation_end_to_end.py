@@ -108,9 +108,9 @@ def test_a_permanent_failure_of_the_third_step_undoes_it_then_the_second_then_th
     events = saga.events("saga-1")
     assert kinds_from(events, CompensationStarted) == [
         "CompensationStarted",
-        "StepCompensationStarted", "StepCompensated",
-        "StepCompensationStarted", "StepCompensated",
-        "StepCompensationStarted", "StepCompensated",
+        "StepCompensationStarted", "StepAccepted", "StepCompensated",
+        "StepCompensationStarted", "StepAccepted", "StepCompensated",
+        "StepCompensationStarted", "StepAccepted", "StepCompensated",
         "TaskCompensated",
     ]
     (started,) = of(events, CompensationStarted)
@@ -176,16 +176,18 @@ def test_a_compensation_that_hangs_is_recovered_by_the_supervisor_and_past_its_t
 ) -> None:
     saga.admin.set_faults("shipping/create", permanent_error_rate=1.0)
     start(saga)
-    saga.procs.signal("payments-refund", signal.SIGSTOP)  # the refund agent hangs: it takes work, answers nothing
+    # The refund agent hangs: it takes nothing (not even to acknowledge it), so each undo attempt stays queued
+    # and is recovered by the supervisor at its start-by (2 s in this workflow).
+    saga.procs.signal("payments-refund", signal.SIGSTOP)
     try:
-        saga.submit("refund-hangs", workflow="orders-comp")
+        saga.submit("refund-hangs", workflow="orders-comp-quick-start")
         saga.submit("in-error", workflow="orders-hold")
         with dashboard(saga) as store:
 
             def compensating() -> bool:
                 task = store.task("refund-hangs") or {"steps": []}
                 charge: dict[str, Any] = next((s for s in task["steps"] if s["step"] == "charge"), {})
-                return task.get("status") == "compensating" and charge.get("status") == "compensating"
+                return task.get("status") == "compensating" and charge.get("status") == "compensation_queued"
 
             assert wait_for(compensating, timeout_s=60), saga.logs_tail()
             charge = next(s for s in (store.task("refund-hangs") or {})["steps"] if s["step"] == "charge")
@@ -204,6 +206,7 @@ def test_a_compensation_that_hangs_is_recovered_by_the_supervisor_and_past_its_t
     assert [(e.attempt_id, e.timed_out, e.failure_count) for e in timeouts] == [
         ("refund-hangs:charge:undo:1", True, 1), ("refund-hangs:charge:undo:2", True, 2)], \
         "each attempt was timed out by the supervisor, up to the threshold of 2"
+    assert all("not taken by an agent before its start-by" in e.error for e in timeouts)
     assert of(events, TaskCompensationFailed)[0].step == "charge"
     assert applied(saga, "payments/refund", "refund-hangs:charge:undo") == 0
 
@@ -251,7 +254,8 @@ def test_an_operator_resubmits_a_failed_step_after_the_service_is_fixed_and_the_
     assert resubmitted.stdout.strip() == "accepted: step 'ship' resubmitted"
     assert saga.wait_terminal(["fix-me"]) == {"fix-me": "completed"}
     events = saga.events("fix-me")
-    assert kinds_from(events, StepResubmitted) == ["StepResubmitted", "StepStarted", "StepSucceeded", "TaskCompleted"]
+    assert kinds_from(events, StepResubmitted) == ["StepResubmitted", "StepStarted", "StepAccepted", "StepSucceeded",
+                                                   "TaskCompleted"]
     assert [e.attempt_id for e in of(events, StepStarted) if e.step == "ship"] == ["fix-me:ship:1", "fix-me:ship:2"]
     assert applied(saga, "shipping/create", "fix-me:ship") == 1
 

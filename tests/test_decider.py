@@ -14,6 +14,7 @@ from scheduler.decider import (
     Command,
     Decision,
     InvalidTransition,
+    Lease,
     Limits,
     StepState,
     TaskState,
@@ -26,6 +27,7 @@ from scheduler.decider import (
 from scheduler.workflow import Step, Workflow, WorkflowRegistry
 from schemas.codec import default_codec
 from schemas.messages import (
+    AttemptAccepted,
     CompensationStarted,
     Event,
     LateResultRecorded,
@@ -33,6 +35,7 @@ from schemas.messages import (
     OperatorAlert,
     OperatorCommandRefused,
     RecoverStep,
+    StepAccepted,
     StepFailed,
     StepResult,
     StepStarted,
@@ -86,6 +89,18 @@ def failure(state: TaskState, *, permanent: bool = False, calls: int = 1, error:
 def recover(state: TaskState, attempt: str | None = None) -> RecoverStep:
     return RecoverStep(task_id=state.task_id, attempt_id=attempt or current(state).lock or "",
                        reason="deadline passed")
+
+
+def accept(state: TaskState, at: datetime = NOW) -> AttemptAccepted:
+    """The agent's acknowledgement of the attempt in progress (forward or compensating), taken at ``at``."""
+    step = current(state)
+    return AttemptAccepted(task_id=state.task_id, step=step.name, attempt_id=step.lock or "",
+                           compensation=step.status == "compensating", accepted_at=at)
+
+
+def running(state: TaskState, at: datetime = NOW) -> TaskState:
+    """``state`` after its agent took the attempt in progress at ``at``: its work deadline runs from then."""
+    return apply(accept(state, at), state, now=at)
 
 
 def current(state: TaskState) -> StepState:
@@ -166,12 +181,14 @@ def test_a_new_submission_is_accepted_and_its_first_step_started() -> None:
     assert current(state).status == "processing" and current(state).attempt_id == "t1:reserve:1"
 
 
-def test_the_first_attempt_gets_the_step_deadline_and_its_per_attempt_share_of_the_budget() -> None:
-    decision, _ = run(submit(), None)
+def test_the_first_attempt_is_queued_with_a_start_by_and_its_per_attempt_share_of_the_budget() -> None:
+    decision, state = run(submit(), None)
     first = decision.events[1]
     assert isinstance(first, StepStarted)
-    assert first.complete_by == NOW + timedelta(seconds=10)
+    assert first.start_by == NOW + timedelta(seconds=300)  # the step's queue_timeout_s (default)
+    assert first.complete_by == first.start_by + timedelta(seconds=10), "the latest its work may end"
     assert first.calls_allowed == 3  # min(calls_per_attempt 3, attempt_budget 5)
+    assert state is not None and current(state).deadline == first.start_by, "queued: no work deadline running"
 
 
 def test_an_attempt_is_never_granted_more_than_the_step_budget() -> None:
@@ -309,7 +326,8 @@ def test_a_success_records_output_and_calls_then_starts_the_next_step() -> None:
     assert (succeeded.step, succeeded.attempt_id, succeeded.output, succeeded.calls) == (
         "reserve", "t1:reserve:1", {"reserved": 1}, 2)
     assert (nxt.step, nxt.step_index, nxt.attempt, nxt.attempt_id) == ("charge", 1, 1, "t1:charge:1")
-    assert nxt.complete_by == NOW + timedelta(seconds=5 + 30)
+    assert nxt.start_by == NOW + timedelta(seconds=5 + 300)
+    assert nxt.complete_by == nxt.start_by + timedelta(seconds=30)
     assert nxt.calls_allowed == 2
     assert all(e.causation_id == result.message_id for e in decision.events)
     assert after is not None
@@ -353,7 +371,7 @@ def test_a_transient_failure_below_the_threshold_retries_with_a_new_attempt_and_
     assert (failed.permanent, failed.timed_out, failed.failure_count, failed.calls, failed.error) == (
         False, False, 1, 2, "boom")
     assert (retry.attempt, retry.attempt_id, retry.step_index) == (2, "t1:reserve:2", 0)
-    assert retry.complete_by == later + timedelta(seconds=10)
+    assert retry.start_by == later + timedelta(seconds=300)
     assert after is not None
     step = current(after)
     assert (step.status, step.failure_count, step.calls_used, step.error) == ("processing", 1, 2, "boom")
@@ -499,11 +517,88 @@ def test_a_result_for_a_task_whose_workflow_is_no_longer_registered_goes_to_the_
     assert after == state
 
 
+# ---- acknowledgements: queued, then running ------------------------------------------------------
+
+
+def test_an_acknowledgement_starts_the_work_deadline_and_records_the_queue_wait() -> None:
+    state = started()
+    taken = NOW + timedelta(seconds=40)
+    decision, after = run(accept(state, taken), state, now=taken + timedelta(milliseconds=3))
+    assert types(decision) == [StepAccepted]
+    accepted = decision.events[0]
+    assert isinstance(accepted, StepAccepted)
+    assert (accepted.step, accepted.attempt_id, accepted.compensation) == ("reserve", "t1:reserve:1", False)
+    assert (accepted.accepted_at, accepted.complete_by, accepted.waited_ms) == (
+        taken, taken + timedelta(seconds=10), 40_000)
+    assert after is not None and current(after).status == "processing"
+    assert current(after).deadline == taken + timedelta(seconds=10)
+
+
+def test_a_queued_attempt_is_recovered_only_after_its_start_by_charged_its_whole_allowance() -> None:
+    state = started()
+    start_by = NOW + timedelta(seconds=300)
+    decision, _ = run(recover(state), state, now=start_by - timedelta(milliseconds=1))
+    assert types(decision) == [MessageIgnored]
+    assert reason(decision.events[0]).startswith("start-by not passed")
+    decision, after = run(recover(state), state, now=start_by)
+    assert types(decision) == [StepFailed, StepStarted]
+    failed = decision.events[0]
+    assert isinstance(failed, StepFailed) and failed.timed_out and failed.calls == 3
+    assert "not taken by an agent before its start-by" in failed.error
+    assert after is not None and current(after).attempt == 2
+
+
+def test_an_accepted_attempt_is_recovered_only_after_its_complete_by_not_its_start_by() -> None:
+    taken = NOW + timedelta(seconds=100)
+    state = running(started(), taken)
+    decision, _ = run(recover(state), state, now=taken + timedelta(seconds=9))
+    assert types(decision) == [MessageIgnored]
+    assert reason(decision.events[0]).startswith("deadline not passed")
+    decision, _ = run(recover(state), state, now=taken + timedelta(seconds=10))
+    assert types(decision) == [StepFailed, StepStarted]
+    failed = decision.events[0]
+    assert isinstance(failed, StepFailed) and "timed out" in failed.error
+
+
+def test_a_second_acknowledgement_of_the_same_attempt_changes_nothing() -> None:
+    state = running(started(), NOW + timedelta(seconds=1))
+    decision, after = run(accept(state, NOW + timedelta(seconds=8)), state)  # a redelivered request, taken again
+    assert types(decision) == [MessageIgnored]
+    assert "already accepted" in reason(decision.events[0])
+    assert after == replace(state, sequence=state.sequence + 1)
+    assert current(after).deadline == NOW + timedelta(seconds=11)
+
+
+def test_an_acknowledgement_for_an_attempt_that_is_not_current_changes_nothing() -> None:
+    state = started()
+    stale = accept(state)
+    state = apply(failure(state), state)
+    decision, after = run(stale, state)
+    assert types(decision) == [MessageIgnored]
+    assert reason(decision.events[0]).startswith("not the current attempt")
+    assert after == replace(state, sequence=state.sequence + 1)
+
+
+def test_an_acknowledgement_after_the_start_by_cannot_extend_the_attempts_latest_end() -> None:
+    state = started()
+    taken = NOW + timedelta(seconds=305)  # the agent's clock runs ahead, or the supervisor has not acted yet
+    accepted = run(accept(state, taken), state)[0].events[0]
+    assert isinstance(accepted, StepAccepted)
+    assert accepted.complete_by == NOW + timedelta(seconds=310), "start-by + timeout, not taken + timeout"
+
+
+def test_a_result_without_an_acknowledgement_is_accepted_for_the_queued_attempt() -> None:
+    state = started()
+    decision, after = run(ok(state), state)  # the acknowledgement was lost, or the agent predates it
+    assert types(decision) == [StepSucceeded, StepStarted]
+    assert after is not None and [s.status for s in after.steps] == ["succeeded", "processing"]
+
+
 # ---- recoveries ---------------------------------------------------------------------------------
 
 
 def test_a_recovery_before_the_deadline_is_ignored() -> None:
-    state = started()
+    state = running(started())
     decision, after = run(recover(state), state, now=NOW + timedelta(seconds=9))
     assert types(decision) == [MessageIgnored]
     ignored = decision.events[0]
@@ -514,7 +609,7 @@ def test_a_recovery_before_the_deadline_is_ignored() -> None:
 
 @pytest.mark.parametrize("late_by", [timedelta(0), timedelta(minutes=5)], ids=["at deadline", "after"])
 def test_a_recovery_at_or_after_the_deadline_times_the_attempt_out_and_retries(late_by: timedelta) -> None:
-    state = started()
+    state = running(started())
     when = NOW + timedelta(seconds=10) + late_by
     decision, after = run(recover(state), state, now=when)
     assert types(decision) == [StepFailed, StepStarted]
@@ -522,7 +617,7 @@ def test_a_recovery_at_or_after_the_deadline_times_the_attempt_out_and_retries(l
     assert isinstance(failed, StepFailed) and isinstance(retry, StepStarted)
     assert failed.timed_out and not failed.permanent and failed.failure_count == 1
     assert failed.calls == 3  # the whole allowance of the dead attempt
-    assert (retry.attempt, retry.complete_by, retry.calls_allowed) == (2, when + timedelta(seconds=10), 2)
+    assert (retry.attempt, retry.start_by, retry.calls_allowed) == (2, when + timedelta(seconds=300), 2)
     assert after is not None and current(after).calls_used == 3
 
 
@@ -598,11 +693,12 @@ def test_terminal_statuses_and_the_final_ones_no_operator_can_leave() -> None:
 
 
 def history() -> list[Event]:
-    """A complete history: accepted, a retried first step, two more steps, completed."""
+    """A complete history: accepted, a retried first step (each attempt acknowledged), two more steps whose
+    results came without an acknowledgement, completed."""
     events: list[Event] = []
     state: TaskState | None = None
     commands: list[Any] = [submit()]
-    for make in (lambda s: failure(s), ok, ok, ok):
+    for make in (accept, lambda s: failure(s), accept, ok, ok, ok):
         decision, state = run(commands[-1], state)
         events.extend(decision.events)
         assert state is not None
@@ -661,6 +757,16 @@ def start(sequence: int, step: str = "reserve", index: int = 0, attempt: int = 1
                  attempt_id=attempt_id("t1", step, attempt), complete_by=NOW, calls_allowed=1)
 
 
+def queued(sequence: int, step: str = "reserve", index: int = 0, attempt: int = 1) -> Event:
+    return event(StepStarted, sequence, step=step, step_index=index, attempt=attempt,
+                 attempt_id=attempt_id("t1", step, attempt), start_by=NOW, complete_by=NOW, calls_allowed=1)
+
+
+def taken(sequence: int, step: str = "reserve", attempt: int = 1, compensation: bool = False) -> Event:
+    return event(StepAccepted, sequence, step=step, attempt_id=attempt_id("t1", step, attempt),
+                 compensation=compensation, accepted_at=NOW, complete_by=NOW, waited_ms=0)
+
+
 def succeed(sequence: int, step: str = "reserve", attempt: int = 1) -> Event:
     return event(StepSucceeded, sequence, step=step, attempt_id=attempt_id("t1", step, attempt), output={},
                  calls=1)
@@ -698,6 +804,11 @@ def fail(sequence: int, failure_count: int = 1, step: str = "reserve", attempt: 
         [accepted(), event(OperatorAlert, 2, reason="r", task_id="t2")],
         [accepted(), event(OperatorAlert, 2, reason="r", workflow_version=2)],
         [accepted(), event(MessageIgnored, 3, attempt_id="a", message_type="m", reason="r")],
+        [accepted(), start(2), taken(3)],
+        [accepted(), queued(2), taken(3), taken(4)],
+        [accepted(), queued(2), taken(3, attempt=2)],
+        [accepted(), queued(2), taken(3, compensation=True)],
+        [accepted(), queued(2), succeed(3), taken(4)],
     ],
     ids=[
         "first event not an admission",
@@ -724,6 +835,11 @@ def fail(sequence: int, failure_count: int = 1, step: str = "reserve", attempt: 
         "event of another task",
         "event of another workflow version",
         "ignored message with a gap",
+        "accepted without a start-by",
+        "accepted twice",
+        "acceptance of another attempt",
+        "forward attempt accepted as a compensation",
+        "accepted after its outcome",
     ],
 )
 def test_impossible_histories_are_invalid_transitions(events: list[Event]) -> None:
@@ -745,4 +861,4 @@ def test_ignored_messages_late_results_and_alerts_may_follow_a_terminal_state_an
 def test_evolve_builds_a_step_when_its_first_attempt_starts() -> None:
     state = evolve(evolve(None, accepted()), start(2))
     assert state.status == "running" and state.current_step == 0
-    assert state.steps == (StepState("reserve", "processing", 1, "t1:reserve:1", NOW, calls_allowed=1),)
+    assert state.steps == (StepState("reserve", "processing", 1, "t1:reserve:1", Lease(NOW, NOW), calls_allowed=1),)

@@ -35,6 +35,7 @@ from schemas.messages import (
     OperatorAlert,
     OperatorCommand,
     OperatorCommandRefused,
+    StepAccepted,
     StepCompensated,
     StepCompensationFailed,
     StepCompensationSkipped,
@@ -50,7 +51,7 @@ from schemas.messages import (
     TaskCompleted,
     TaskFailed,
 )
-from tests.test_decider import NOW, current, event, failure, ok, reason, recover, submit, types
+from tests.test_decider import NOW, accept, current, event, failure, ok, reason, recover, submit, types
 
 UNDO = Compensation("undoer", timeout_s=5, attempt_budget=3, calls_per_attempt=2)
 
@@ -154,7 +155,7 @@ def test_a_permanent_failure_under_the_compensate_policy_undoes_the_failed_step_
     assert "permanent failure of step 'ship'" in started.reason
     assert started.command_id is None
     assert (undo.step, undo.step_index, undo.attempt, undo.attempt_id) == ("ship", 3, 1, "t1:ship:undo:1")
-    assert undo.complete_by == later + timedelta(seconds=5)
+    assert undo.start_by == later + timedelta(seconds=300) and undo.complete_by == undo.start_by + timedelta(seconds=5)
     assert undo.calls_allowed == 2
     assert after is not None and after.status == "compensating" and after.current_step == 3
     assert [s.status for s in after.steps] == ["succeeded", "succeeded", "succeeded", "compensating"]
@@ -220,6 +221,7 @@ def test_a_step_that_exhausts_its_budget_under_the_compensate_policy_is_compensa
 
 def test_a_step_whose_only_attempt_timed_out_is_in_the_plan_and_is_undone() -> None:
     state = apply(submit(workflow="brittle"), None)  # reserve's first attempt is out, threshold 1
+    state = apply(accept(state), state)
     decision, after = run(recover(state), state, now=NOW + timedelta(seconds=11))
     assert types(decision) == [StepFailed, CompensationStarted, StepCompensationStarted]
     timed_out, started, undo = decision.events
@@ -269,7 +271,7 @@ def test_a_transient_compensation_failure_below_the_threshold_retries_with_the_n
     assert isinstance(failed, StepCompensationFailed) and isinstance(retry, StepCompensationStarted)
     assert (failed.attempt_id, failed.failure_count, failed.permanent, failed.timed_out) == (
         "t1:ship:undo:1", 1, False, False)
-    assert (retry.attempt, retry.attempt_id, retry.complete_by) == (2, "t1:ship:undo:2", later + timedelta(seconds=5))
+    assert (retry.attempt, retry.attempt_id, retry.start_by) == (2, "t1:ship:undo:2", later + timedelta(seconds=300))
     assert retry.calls_allowed == 2  # budget 3, one call used
     assert after is not None and current(after).compensation.failure_count == 1
 
@@ -292,6 +294,7 @@ def test_a_permanent_compensation_failure_stops_undoing_with_an_alert_naming_eve
 
 def test_a_compensation_that_keeps_timing_out_ends_compensation_failed_at_the_threshold() -> None:
     state = compensating()
+    state = apply(accept(state), state)
     first = recover(state)
     assert first.attempt_id == "t1:ship:undo:1"
     decision, state_after = run(first, state, now=NOW + timedelta(seconds=5))
@@ -299,6 +302,7 @@ def test_a_compensation_that_keeps_timing_out_ends_compensation_failed_at_the_th
     timed_out = only(decision, StepCompensationFailed)[0]
     assert timed_out.timed_out and timed_out.calls == 2  # the whole allowance
     assert state_after is not None
+    state_after = apply(accept(state_after, NOW + timedelta(seconds=6)), state_after)
     decision, after = run(recover(state_after), state_after, now=NOW + timedelta(minutes=1))
     assert types(decision) == [StepCompensationFailed, TaskCompensationFailed, OperatorAlert]
     assert "failure threshold reached" in reason(decision.events[1])
@@ -307,10 +311,30 @@ def test_a_compensation_that_keeps_timing_out_ends_compensation_failed_at_the_th
 
 def test_a_recovery_of_a_compensation_before_its_deadline_is_ignored() -> None:
     state = compensating()
+    state = apply(accept(state), state)
     decision, after = run(recover(state), state, now=NOW + timedelta(seconds=4))
     assert types(decision) == [MessageIgnored]
     assert reason(decision.events[0]).startswith("deadline not passed")
     assert after == replace(state, sequence=state.sequence + 1)
+
+
+def test_a_compensation_attempt_is_queued_and_acknowledged_like_a_forward_one() -> None:
+    state = compensating()
+    start_by = NOW + timedelta(seconds=300)
+    assert current(state).deadline == start_by, "queued: only its start-by runs"
+    decision, _ = run(recover(state), state, now=start_by - timedelta(seconds=1))
+    assert reason(decision.events[0]).startswith("start-by not passed")
+    taken = NOW + timedelta(seconds=20)
+    decision, after = run(accept(state, taken), state, now=taken)
+    (accepted,) = decision.events
+    assert isinstance(accepted, StepAccepted)
+    assert (accepted.attempt_id, accepted.compensation, accepted.waited_ms) == ("t1:ship:undo:1", True, 20_000)
+    assert after is not None and current(after).deadline == taken + timedelta(seconds=5)
+    assert current(after).compensation.lease is not None and current(after).lease is not None
+    assert current(after).lease.accepted_at is None, "the forward attempt's record is kept apart"
+    decision, _ = run(recover(after), after, now=taken + timedelta(seconds=5))
+    timed_out = only(decision, StepCompensationFailed)[0]
+    assert timed_out.timed_out and "timed out" in timed_out.error
 
 
 def test_a_compensation_is_granted_only_what_is_left_of_its_budget_and_fails_when_it_is_spent() -> None:
@@ -479,7 +503,7 @@ def test_an_operator_resubmits_the_failed_step_of_a_task_in_error_with_a_fresh_b
     assert isinstance(resubmitted, StepResubmitted) and isinstance(restarted, StepStarted)
     assert (resubmitted.step, resubmitted.command_id, resubmitted.operator) == ("ship", "op-1", "alice")
     assert (restarted.attempt, restarted.attempt_id, restarted.calls_allowed) == (2, "t1:ship:2", 1)
-    assert restarted.complete_by == later + timedelta(seconds=10)
+    assert restarted.start_by == later + timedelta(seconds=300)
     assert after is not None and after.status == "running" and "op-1" in after.commands
     ship = current(after)
     assert (ship.status, ship.failure_count, ship.calls_used) == ("processing", 0, 0)

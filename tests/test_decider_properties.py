@@ -2,7 +2,8 @@
 
 Hypothesis drives a scheduler of three tasks with submissions (repeats and contradictions included),
 successes and transient or permanent failures for current, stale and made-up attempt ids (forward and
-compensating), recoveries at times around each deadline, operator commands (every action, on any step,
+compensating), agents' acknowledgements (taken early, late, twice, for stale attempts), recoveries at times
+around each deadline, operator commands (every action, on any step,
 with command ids that repeat), and a clock that moves on. After every command the decision and the
 states it leads to are checked, and at the end every history is replayed through the Avro codec.
 
@@ -36,6 +37,7 @@ from scheduler.decider import (
 from scheduler.workflow import Compensation, Step, Workflow, WorkflowRegistry
 from schemas.codec import default_codec
 from schemas.messages import (
+    AttemptAccepted,
     CompensationRetried,
     CompensationStarted,
     Event,
@@ -46,6 +48,7 @@ from schemas.messages import (
     OperatorCommand,
     OperatorCommandRefused,
     RecoverStep,
+    StepAccepted,
     StepCompensated,
     StepCompensationSkipped,
     StepCompensationStarted,
@@ -126,6 +129,14 @@ class DeciderMachine(RuleBasedStateMachine):
                        calls=calls),
             self.clock,
         )
+
+    @rule(task=tasks, which=attempt_choices, pick=st.integers(0, 20), taken_after=st.integers(-5, 400))
+    def acknowledge(self, task: str, which: str, pick: int, taken_after: int) -> None:
+        """An agent took a request, at a time on its own clock (before or after the start-by of 300 s)."""
+        attempt = self.attempt(task, which, pick)
+        self.run(AttemptAccepted(task_id=task, step=attempt.split(":")[1], attempt_id=attempt,
+                                 compensation=":undo:" in attempt,
+                                 accepted_at=self.clock + timedelta(seconds=taken_after)), self.clock)
 
     @rule(task=tasks, which=attempt_choices, pick=st.integers(0, 20), offset=st.integers(-15, 15))
     def recover(self, task: str, which: str, pick: int, offset: int) -> None:
@@ -218,18 +229,40 @@ class DeciderMachine(RuleBasedStateMachine):
             assert after is not None and after.status == before.status
         if before is not None and after is not None:
             self.check_monotonic(before, after, events)
-        if isinstance(command, StepResult | RecoverStep) and before is not None:
+        if isinstance(command, StepResult | RecoverStep | AttemptAccepted) and before is not None:
             current = before.steps[before.current_step] if before.current_step is not None else None
             if current is None or current.lock != command.attempt_id or before.is_terminal:
                 self.check_not_current(command, before, events, after)
+            elif isinstance(command, AttemptAccepted):
+                self.check_accepted(command, current, events, after)
             if isinstance(command, RecoverStep) and current is not None and current.deadline is not None \
                     and now < current.deadline:
                 assert [type(e) for e in events] == [MessageIgnored]
         if isinstance(command, OperatorCommand) and before is not None:
             self.check_operator(command, before, events, after)
 
-    def check_not_current(self, command: StepResult | RecoverStep, before: TaskState, events: tuple[Event, ...],
-                          after: TaskState | None) -> None:
+    @staticmethod
+    def check_accepted(command: AttemptAccepted, current: StepState, events: tuple[Event, ...],
+                       after: TaskState | None) -> None:
+        """A queued attempt's first acknowledgement starts its work deadline, never past its latest end;
+        any later one changes nothing but the sequence."""
+        lease = current.current_lease
+        assert lease is not None and after is not None and after.current_step is not None
+        if not lease.queued:
+            assert [type(e) for e in events] == [MessageIgnored]
+            assert after.steps[after.current_step] == current
+            return
+        assert [type(e) for e in events] == [StepAccepted]
+        accepted = events[0]
+        assert isinstance(accepted, StepAccepted) and lease.timeout is not None
+        assert accepted.complete_by == min(command.accepted_at + lease.timeout, lease.complete_by)
+        now_running = after.steps[after.current_step]
+        assert now_running.deadline == accepted.complete_by and now_running.status == current.status
+        assert replace(now_running, lease=None, compensation=replace(now_running.compensation, lease=None)) == replace(
+            current, lease=None, compensation=replace(current.compensation, lease=None)), "only the clock changes"
+
+    def check_not_current(self, command: StepResult | RecoverStep | AttemptAccepted, before: TaskState,
+                          events: tuple[Event, ...], after: TaskState | None) -> None:
         """An answer for an attempt that is not in progress changes nothing but the sequence. A definite one
         (success or permanent failure) for an attempt this task started is recorded as a late result; a
         transient failure, a recovery, or an answer naming an attempt never started is ignored."""
@@ -297,6 +330,20 @@ class DeciderMachine(RuleBasedStateMachine):
                 assert busy and state.steps[busy[0]].status == "compensating"
             else:
                 assert state.status in TERMINAL and not busy
+
+    @invariant()
+    def an_attempts_deadline_is_its_start_by_while_queued_and_never_past_start_by_plus_its_timeout(self) -> None:
+        for state in self.states.values():
+            if state is None or state.current_step is None:
+                continue
+            lease = state.steps[state.current_step].current_lease
+            assert lease is not None and lease.start_by is not None
+            assert lease.deadline == (lease.start_by if lease.accepted_at is None else lease.complete_by)
+            workflow = REGISTRY.get(state.workflow, state.workflow_version)
+            spec = workflow.steps[state.current_step]
+            undoing = state.steps[state.current_step].status == "compensating"
+            timeout = spec.compensation.timeout_s if undoing and spec.compensation else spec.timeout_s
+            assert lease.complete_by <= lease.start_by + timedelta(seconds=timeout)
 
     @invariant()
     def sequence_numbers_start_at_one_without_gaps(self) -> None:

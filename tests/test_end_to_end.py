@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from datetime import timedelta
 
 import pytest
 
@@ -11,6 +12,7 @@ from schemas.messages import (
     MessageIgnored,
     OperatorAlert,
     RecoverStep,
+    StepAccepted,
     StepFailed,
     StepResult,
     StepStarted,
@@ -46,12 +48,12 @@ def test_a_three_step_task_completes_and_its_events_are_exactly_the_transitions_
     events = system.events("order-1")
     assert [type(e).__name__ for e in events] == [
         "TaskAccepted",
-        "StepStarted", "StepSucceeded",
-        "StepStarted", "StepSucceeded",
-        "StepStarted", "StepSucceeded",
+        "StepStarted", "StepAccepted", "StepSucceeded",
+        "StepStarted", "StepAccepted", "StepSucceeded",
+        "StepStarted", "StepAccepted", "StepSucceeded",
         "TaskCompleted",
     ]
-    assert [e.sequence for e in events] == list(range(1, 9))
+    assert [e.sequence for e in events] == list(range(1, 12))
     assert [e.step for e in events if isinstance(e, StepStarted)] == ["reserve", "charge", "ship"]
     assert {(e.workflow, e.workflow_version) for e in events} == {("orders", 1)}
     _assert_each_side_effect_applied_once(system, ["order-1"])
@@ -90,6 +92,8 @@ def test_agent_sigkilled_mid_call_is_recovered_by_the_supervisor_with_a_new_atte
     assert len(charges) >= 2, "a new attempt was started after the deadline"
     timed_out = [e for e in events if isinstance(e, StepFailed) and e.timed_out]
     assert timed_out and timed_out[0].attempt_id == charges[0].attempt_id
+    (taken,) = [e for e in events if isinstance(e, StepAccepted) and e.attempt_id == charges[0].attempt_id]
+    assert timed_out[0].occurred_at >= taken.complete_by, "recovered by the supervisor after its work deadline"
     succeeded = [e for e in events if isinstance(e, StepSucceeded) and e.step == "charge"]
     assert [e.attempt_id for e in succeeded] == [charges[-1].attempt_id]
     assert system.admin.applied_for("payments/charge", "order-hang:charge") == 1
@@ -119,12 +123,45 @@ def test_a_step_that_always_times_out_is_retried_to_the_threshold_then_errors_wi
     failures = [e for e in events if isinstance(e, StepFailed) and e.step == "ship"]
     assert len(ship_attempts) == 3 and len(failures) == 3, "retried up to the failure threshold of 3"
     assert [f.failure_count for f in failures] == [1, 2, 3]
+    taken = {e.attempt_id: e for e in events if isinstance(e, StepAccepted)}
+    for failed in failures:
+        # Each attempt was taken by the agent, its 2 s of work counted from then; the hung call used them up.
+        accepted = taken[failed.attempt_id]
+        assert accepted.complete_by - accepted.accepted_at == timedelta(seconds=2)
+        assert accepted.accepted_at <= failed.occurred_at
     assert any(isinstance(e, TaskFailed) for e in events)
     assert any(isinstance(e, OperatorAlert) and e.step == "ship" for e in events)
     count = len(events)
     time.sleep(4)  # longer than a step timeout plus a supervisor cadence
     later = system.events("order-stuck")
     assert not [e for e in later[count:] if isinstance(e, StepStarted)], "nothing keeps retrying"
+
+
+def test_a_burst_many_times_the_agents_capacity_waits_queued_and_every_task_completes_each_step_applied_once(
+    system: System,
+) -> None:
+    """Two calls in flight per agent at 250 ms a call: 30 tasks keep the reserve agent busy about 4 s,
+    twice the step's 2 s timeout. Waiting is not failing: no attempt fails, every task completes."""
+    system.env["STEPSTREAM_AGENT_CONCURRENCY"] = "2"
+    system.admin.set_faults(latency_ms=250)
+    system.start()
+    ids = [f"burst-{i}" for i in range(30)]
+    for task_id in ids:
+        system.submit(task_id, version=1)
+    statuses = system.wait_terminal(ids, timeout_s=120)
+    assert set(statuses.values()) == {"completed"}, statuses
+    events = system.events()
+    assert not [e for e in events if isinstance(e, StepFailed | MessageIgnored)], "no attempt failed for waiting"
+    waits = [e.waited_ms for e in events if isinstance(e, StepAccepted) and e.step == "reserve"]
+    assert len(waits) == len(ids) and max(waits) > 2000, f"requests waited past the step timeout: {max(waits)} ms"
+    for task_id in ids:
+        records = system.admin.records(task_id)
+        assert [e["operation"] for e in records["effects"]] == list(OPERATIONS), f"{task_id}: each step applied once"
+    _assert_each_side_effect_applied_once(system, ids)
+    assert wait_for(lambda: all((system.task(t) or {}).get("status") == "completed" for t in ids))
+    stored = [step for t in ids for step in system.steps(t)]
+    assert all(step["waited_ms"] is not None and step["accepted_at"] for step in stored)
+    assert max(step["waited_ms"] for step in stored) > 2000, "the store shows how long steps waited"
 
 
 def test_a_permanent_error_puts_the_task_in_error_at_once_without_retries(system: System) -> None:
@@ -140,11 +177,11 @@ def test_a_permanent_error_puts_the_task_in_error_at_once_without_retries(system
 
 
 def test_two_supervisors_only_the_leader_requests_recovery_and_the_other_takes_over(system: System) -> None:
-    system.start("projector", "scheduler", "inventory")  # no payments agent: charge attempts expire
+    system.start("projector", "scheduler", "inventory")  # no payments agent: charge attempts expire (start-by 2 s)
     system.restart("supervisor-a")
     time.sleep(3)
     system.restart("supervisor-b")
-    system.submit("order-orphan", version=1)
+    system.submit("order-orphan", workflow="orders-quick-start")
 
     def senders() -> Counter[str]:
         recoveries = read_all(system.bootstrap, system.layout.inbox, expect=10_000, timeout_s=2)
@@ -157,7 +194,7 @@ def test_two_supervisors_only_the_leader_requests_recovery_and_the_other_takes_o
     (leader_id,) = first
     leader = next(name for name in ("supervisor-a", "supervisor-b") if leader_id in system.procs.log(name))
     system.procs.kill(leader)
-    system.submit("order-orphan-2", version=1)
+    system.submit("order-orphan-2", workflow="orders-quick-start")
     assert wait_for(lambda: len(senders()) == 2, timeout_s=60), "the other supervisor took over"
 
 

@@ -10,9 +10,10 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from projections.migrations import MIGRATIONS, statements
+from projections.rows import ms
 from projections.settings import StoreSpec
 from projections.store import Positioned, Store
-from schemas.messages import Event, StepStarted, TaskAccepted, TaskRejected
+from schemas.messages import Event, StepAccepted, StepStarted, StepSucceeded, TaskAccepted, TaskRejected
 from tests.histories import histories
 
 TOPIC = "t.events"
@@ -76,6 +77,39 @@ def test_a_rejected_task_admitted_on_a_later_submission_keeps_one_row_and_its_cr
     assert store.counts_by_status() == {"accepted": 1}
 
 
+def test_a_step_shows_queued_with_its_start_by_then_running_with_how_long_it_waited(store: Store) -> None:
+    at = datetime(2026, 1, 1, tzinfo=UTC)
+    common = {"task_id": "q", "workflow": "orders", "workflow_version": 1, "causation_id": "c"}
+    attempt = {"step": "reserve", "attempt_id": "q:reserve:1"}
+    events: list[Event] = [
+        TaskAccepted(**common, sequence=1, occurred_at=at, input={}, input_digest="d"),
+        StepStarted(**common, **attempt, sequence=2, occurred_at=at, step_index=0, attempt=1, calls_allowed=3,
+                    start_by=at + timedelta(seconds=300), complete_by=at + timedelta(seconds=305)),
+    ]
+    store.apply_events(TOPIC, positioned(events))
+    [queued] = store.queued_steps()
+    assert (queued["status"], queued["queued_at"], queued["complete_by"], queued["accepted_at"]) == (
+        "queued", ms(at), ms(at + timedelta(seconds=300)), None), "the deadline in force is the start-by"
+    assert store.expired_steps(at + timedelta(seconds=299), not_before=at) == []
+    taken = at + timedelta(seconds=42)
+    more: list[Event] = [
+        StepAccepted(**common, **attempt, sequence=3, occurred_at=taken, accepted_at=taken,
+                     complete_by=taken + timedelta(seconds=5), waited_ms=42_000),
+        StepSucceeded(**common, **attempt, sequence=4, occurred_at=taken, output={}, calls=1),
+    ]
+    store.apply_events(TOPIC, positioned(more[:1], first_offset=2))
+    task = store.task("q")
+    assert task is not None
+    [step] = task["steps"]
+    assert (step["status"], step["complete_by"], step["accepted_at"], step["waited_ms"]) == (
+        "processing", ms(taken + timedelta(seconds=5)), ms(taken), 42_000)
+    assert store.queued_steps() == []
+    [expired] = store.expired_steps(taken + timedelta(seconds=5), not_before=at)
+    assert expired.attempt_id == "q:reserve:1"
+    store.apply_events(TOPIC, positioned(more[1:], first_offset=3))
+    assert store.queue_waits(ms(at)) == {"accepted": 1, "mean_ms": 42_000, "max_ms": 42_000}
+
+
 def _expired_fixture(store: Store, tasks: int) -> tuple[datetime, int]:
     """Many finished tasks and every 10th one left processing, its deadline 30 minutes ago.
     Returns the start and how many steps are left processing."""
@@ -85,7 +119,7 @@ def _expired_fixture(store: Store, tasks: int) -> tuple[datetime, int]:
         store.apply_events(TOPIC, positioned(events[i:i + 2000], first_offset=i))
     store.analyze()
     last = {e.task_id: e for e in events}
-    return start, sum(isinstance(e, StepStarted) for e in last.values())
+    return start, sum(isinstance(e, StepStarted | StepAccepted) for e in last.values())
 
 
 def test_the_supervisor_scan_uses_the_expiry_index_and_pages_through_every_expired_step_once(store: Store) -> None:

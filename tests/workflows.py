@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from demo.workflows import OrderInput
 from scheduler.workflow import Compensation, Step, Workflow, WorkflowRegistry
 
@@ -29,7 +31,16 @@ ORDERS_V2 = Workflow(
     failure_threshold=3,
 )
 
-REGISTRY = WorkflowRegistry.of([ORDERS_V1, ORDERS_V2])
+# Requests must be taken within 2 s: a test without the payments agent sees its charge attempts expire (and the
+# supervisor ask for their recovery) without waiting out the default start-by of five minutes.
+ORDERS_QUICK_START = Workflow(
+    name="orders-quick-start",
+    version=1,
+    steps=tuple(replace(step, queue_timeout_s=2.0) for step in ORDERS_V1.steps),
+    failure_threshold=3,
+)
+
+REGISTRY = WorkflowRegistry.of([ORDERS_V1, ORDERS_V2, ORDERS_QUICK_START])
 
 # Appended for tests/test_agent_budget_end_to_end.py: steps whose end-to-end call budget is far below what
 # the agent's retry limit and the workflow's failure threshold would allow, so only the budget can stop
@@ -99,5 +110,17 @@ ORDERS_ONCE = Workflow(name="orders-once", version=1, steps=_compensated_order_s
 ORDERS_CHAOS = Workflow(name="orders-chaos", version=1, steps=_compensated_order_steps(), failure_threshold=5,
                         escalation="compensate")
 
+# Undo requests must be taken within 2 s: with the refund agent stopped, each undo attempt waits queued and
+# is recovered by the supervisor at its start-by, without waiting out the default five minutes.
+ORDERS_COMP_QUICK_START = Workflow(
+    name="orders-comp-quick-start",
+    version=1,
+    steps=tuple(step if step.compensation is None else replace(step, compensation=replace(step.compensation,
+                                                                                          queue_timeout_s=2.0))
+                for step in _compensated_order_steps()),
+    failure_threshold=2,
+    escalation="compensate",
+)
+
 COMPENSATION_REGISTRY = WorkflowRegistry.of([ORDERS_V1, ORDERS_V2, ORDERS_COMP, ORDERS_HOLD, ORDERS_PATIENT,
-                                             ORDERS_ONCE, ORDERS_CHAOS])
+                                             ORDERS_ONCE, ORDERS_CHAOS, ORDERS_COMP_QUICK_START])

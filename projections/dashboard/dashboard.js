@@ -23,6 +23,10 @@ function when(ms) {
   return ms ? new Date(ms).toISOString().replace("T", " ").slice(0, 23) : "";
 }
 
+function seconds(ms) {
+  return ms === null || ms === undefined ? "" : `${(ms / 1000).toFixed(1)} s`;
+}
+
 function fill(tableId, rows, columns, onClick) {
   const body = document.querySelector(`#${tableId} tbody`);
   body.replaceChildren();
@@ -97,7 +101,8 @@ async function showTimeline(taskId) {
     list.replaceChildren(...task.timeline.map(e => {
       const item = el("li", null, {"data-sequence": e.sequence});
       const detail = e.event.step ? ` ${e.event.step}` : "";
-      const extra = e.event.error || e.event.reason || "";
+      const waited = e.event.waited_ms === undefined ? "" : `waited ${seconds(e.event.waited_ms)} for an agent`;
+      const extra = e.event.error || e.event.reason || waited;
       item.append(el("span", when(e.occurred_at), {class: "when"}), el("span", e.event_type, {class: "type"}),
                   el("span", `${detail}${extra ? " — " + extra : ""}`));
       return item;
@@ -110,9 +115,10 @@ async function showTimeline(taskId) {
 
 async function refresh() {
   try {
-    const [health, counts, stuck, failed, alerts, dlq, tasks, throughput] = await Promise.all([
+    const [health, counts, stuck, failed, alerts, dlq, tasks, throughput, queued] = await Promise.all([
       get("/api/health"), get("/api/counts"), get("/api/steps/stuck?limit=20"), get("/api/steps/failed?limit=20"),
       get("/api/alerts?limit=20"), get("/api/dlq/summary"), get("/api/tasks?limit=20"), get("/api/throughput?minutes=60"),
+      get("/api/steps/queued?limit=20"),
     ]);
     document.getElementById("store").textContent = health.store;
     drawCounts(counts);
@@ -121,6 +127,11 @@ async function refresh() {
     const pick = row => showTimeline(row.task_id);
     fill("stuck", stuck.items, [r => [r.task_id], r => [r.step], r => [r.status], r => [r.attempt],
                                 r => [when(r.complete_by)]], pick);
+    fill("queued", queued.items, [r => [r.task_id], r => [r.step], r => [r.status], r => [r.attempt],
+                                  r => [seconds(r.waiting_ms), "n"], r => [when(r.start_by)]], pick);
+    const waits = queued.waits;
+    document.getElementById("queue-waits").textContent = waits.accepted ?
+      `${waits.accepted} steps, waited ${seconds(waits.mean_ms)} on average, ${seconds(waits.max_ms)} at most` : "none";
     fill("failed", failed.items, [r => [r.task_id], r => [r.step], r => [r.status], r => [r.failure_count],
                                   r => [r.error, "error"], r => [when(r.updated_at)]], pick);
     fill("alerts", alerts.items, [r => [when(r.occurred_at)], r => [r.task_id], r => [r.step], r => [r.reason]], pick);

@@ -256,6 +256,8 @@ class Agent:
         request = record.message
         if not isinstance(request, AgentRequest):
             raise PoisonMessageError(f"{type(request).__name__} is not an agent request")
+        if request.not_before is not None:
+            self._wait_until(request)
         accepted_at = utc_millis(self._now())
         if request.start_by is not None:
             if accepted_at > request.start_by:
@@ -266,6 +268,19 @@ class Agent:
                                                attempt_id=request.attempt_id, compensation=request.compensation,
                                                accepted_at=accepted_at))
         output.send(inbox, self.execute(request, accepted_at))
+
+    def _wait_until(self, request: AgentRequest) -> None:
+        """Hold an undo until its ``not_before``: the forward call it undoes may land until then at a service
+        that cannot refuse it. The task's key is held meanwhile (its next step is this undo anyway); a
+        drain leaves the request uncommitted, to be taken again after the restart."""
+        assert request.not_before is not None
+        wait_s = (request.not_before - self._now()).total_seconds()
+        if wait_s <= 0:
+            return
+        log.info("undo waits for the forward call to land", wait_s=round(wait_s, 3), agent=self.name,
+                 task_id=request.task_id, step=request.step, attempt=request.attempt)
+        if self._sleep(wait_s):
+            raise AttemptAbandoned(f"draining while the undo waited {wait_s:.3f}s for its forward call to land")
 
     def _unstarted(self, request: AgentRequest, accepted_at: datetime) -> StepResult:
         """The answer to a request taken after its start-by: a transient failure that made no call."""

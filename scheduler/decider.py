@@ -47,7 +47,7 @@ from typing import Any, Literal, TypeAlias
 
 import orjson
 
-from scheduler.workflow import Workflow, WorkflowNotFoundError, WorkflowRegistry
+from scheduler.workflow import Compensation, Workflow, WorkflowNotFoundError, WorkflowRegistry
 from schemas.messages import (
     AttemptAccepted,
     CompensationRetried,
@@ -785,7 +785,8 @@ def _start_compensation_attempt(builder: _Builder, workflow: Workflow, index: in
         )
         return
     attempt = prior.attempt + 1
-    start_by = builder.now + timedelta(seconds=compensation.queue_timeout_s)
+    not_before = _forward_landed_by(builder.state.steps[index], compensation)
+    start_by = max(builder.now, not_before or builder.now) + timedelta(seconds=compensation.queue_timeout_s)
     builder.emit(
         StepCompensationStarted,
         step=spec.name,
@@ -795,7 +796,17 @@ def _start_compensation_attempt(builder: _Builder, workflow: Workflow, index: in
         start_by=start_by,
         complete_by=start_by + timedelta(seconds=compensation.timeout_s),
         calls_allowed=allowed,
+        not_before=not_before if not_before is not None and not_before > builder.now else None,
     )
+
+
+def _forward_landed_by(step: StepState, compensation: Compensation) -> datetime | None:
+    """When no forward attempt of ``step`` can land any more, for a service that cannot refuse a late one:
+    the last attempt's latest end plus how long a call may still take to land (None: the service fences)."""
+    if compensation.fenced or step.lease is None:
+        return None
+    assert compensation.forward_may_land_s is not None
+    return step.lease.complete_by + timedelta(seconds=compensation.forward_may_land_s)
 
 
 def _on_compensation_result(builder: _Builder, workflow: Workflow, result: StepResult) -> None:

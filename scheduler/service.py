@@ -158,14 +158,17 @@ class Scheduler:
             key = compensation_idempotency_key(state.task_id, step.name)
             data = state.compensation_input(event.step_index)
             # The undo names the forward key so the service tombstones it: no forward attempt still in
-            # flight (or redelivered) can apply anything once the step is undone.
-            undoes_key, undoes_attempt = forward_key, state.steps[event.step_index].attempt
+            # flight (or redelivered) can apply anything once the step is undone. A service that cannot
+            # fence gets no such claim: its undo waits out the forward attempts instead (``not_before``).
+            if step.compensation.fenced:
+                undoes_key, undoes_attempt = forward_key, state.steps[event.step_index].attempt
         self._ensure_topic(TopicSpec(self.layout.agent(agent), self.layout.partitions))
         output.send(self.layout.agent(agent), AgentRequest(
             task_id=state.task_id, step=event.step, attempt=event.attempt, attempt_id=event.attempt_id,
             idempotency_key=key, complete_by=event.complete_by, calls_allowed=event.calls_allowed, input=data,
             undoes_key=undoes_key, undoes_attempt=undoes_attempt, start_by=event.start_by, timeout_s=timeout_s,
             compensation=isinstance(event, StepCompensationStarted),
+            not_before=event.not_before if isinstance(event, StepCompensationStarted) else None,
         ))
 
     def _reply_topic(self, state: TaskState, command: Message) -> str | None:

@@ -31,6 +31,12 @@ class Compensation:
 
     Its attempts get their own deadlines, call budget and per-attempt allowance, and the workflow's
     ``failure_threshold`` bounds its failed attempts as it bounds the forward step's.
+
+    ``forward_may_land_s`` is for a service that cannot refuse a forward call after its undo (it keeps no
+    tombstones, see the README's contract): a forward call may still land up to this long after its
+    attempt's latest end (say, the agent's call timeout), so the undo waits until then -- the last forward
+    attempt can then no longer apply anything behind it. None (the default): the service fences the forward
+    key on the undo, which then runs at once.
     """
 
     agent: str
@@ -38,6 +44,7 @@ class Compensation:
     attempt_budget: int = 5
     calls_per_attempt: int = 3
     queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S
+    forward_may_land_s: float | None = None
 
     def __post_init__(self) -> None:
         if not self.agent:
@@ -46,6 +53,13 @@ class Compensation:
             raise ValueError(f"compensation by {self.agent}: timeout_s and queue_timeout_s must be positive")
         if self.attempt_budget < 1 or self.calls_per_attempt < 1:
             raise ValueError(f"compensation by {self.agent}: attempt_budget and calls_per_attempt must be at least 1")
+        if self.forward_may_land_s is not None and self.forward_may_land_s < 0:
+            raise ValueError(f"compensation by {self.agent}: forward_may_land_s cannot be negative")
+
+    @property
+    def fenced(self) -> bool:
+        """The service refuses a forward call once its key is undone: the undo need not wait."""
+        return self.forward_may_land_s is None
 
 
 @dataclass(frozen=True)

@@ -208,7 +208,9 @@ class StepCompensationSkipped(Event):
 class StepCompensationStarted(Event):
     """An attempt of a step's compensation was handed to its agent. ``attempt_id`` is the lock.
 
-    Queued until its agent takes it, exactly like a forward attempt (``StepStarted``).
+    Queued until its agent takes it, exactly like a forward attempt (``StepStarted``). ``not_before`` is
+    set when the step's service cannot refuse a late forward call (``Compensation.forward_may_land_s``): the
+    undo is made no earlier, once no forward attempt of the step can still land.
     """
 
     step: str
@@ -220,6 +222,8 @@ class StepCompensationStarted(Event):
     calls_allowed: int = Field(ge=0, description="calls the agent may still make within the compensation's budget")
     start_by: Timestamp | None = Field(default=None, description="an agent must take the request by then; "
                                                                  "None: running from the start (older events)")
+    not_before: Timestamp | None = Field(default=None, description="the undo is called no earlier: when the "
+                                                                   "last forward attempt can no longer land")
 
 
 class StepCompensated(Event):
@@ -389,6 +393,8 @@ class AgentRequest(Message):
     start_by: Timestamp | None = Field(default=None, description="take the request by then or answer it unstarted")
     timeout_s: float | None = Field(default=None, gt=0, description="the work deadline's length, from acceptance")
     compensation: bool = Field(default=False, description="the attempt is a compensation attempt")
+    not_before: Timestamp | None = Field(default=None, description="a compensation's only: take it (acknowledge "
+                                                                   "and call) no earlier than this")
 
     def work_deadline(self, accepted_at: datetime) -> datetime:
         """When the attempt's work must end if an agent takes the request at ``accepted_at``: the same

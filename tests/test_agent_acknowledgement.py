@@ -102,3 +102,21 @@ def test_a_request_without_a_start_by_is_run_against_its_deadline_without_an_ack
     legacy = queued_request(waited_s=0).model_copy(update={"start_by": None, "timeout_s": None})
     messages = take(legacy, clock, lambda call: {"ok": True})
     assert [type(message) for _, message in messages] == [StepResult]
+
+
+def test_an_undo_with_a_not_before_waits_until_then_before_acknowledging_and_calling() -> None:
+    clock = FakeTime()
+    clock.t = 10.0
+    called_at: list[float] = []
+
+    def handler(call: Call) -> dict[str, Any]:
+        called_at.append(clock.t)
+        return {"refunded": True}
+
+    request = queued_request(waited_s=10, compensation=True).model_copy(
+        update={"not_before": EPOCH + timedelta(seconds=14)})
+    messages = take(request, clock, handler)
+    ack, result = (message for _, message in messages)
+    assert isinstance(ack, AttemptAccepted) and ack.accepted_at == EPOCH + timedelta(seconds=14), \
+        "taken once the forward call can no longer land"
+    assert called_at == [14.0] and isinstance(result, StepResult) and result.ok

@@ -75,7 +75,10 @@ BRITTLE = Workflow("brittle", 1, _steps(), failure_threshold=1, escalation="comp
 LEAN = Workflow("lean", 1, (Step("notify", "mailer"), Step("reserve", "inventory", compensation=UNDO)),
                 failure_threshold=1, escalation="compensate")
 """Starts with a step that declares nothing to undo."""
-REGISTRY = WorkflowRegistry.of([SAGA, HELD, PATIENT, BRITTLE, LEAN])
+UNFENCED = Workflow("unfenced", 1, (Step("charge", "payments", timeout_s=3, compensation=replace(
+    UNDO, agent="payments-refund", forward_may_land_s=2)),), failure_threshold=1, escalation="compensate")
+"""The payment service cannot refuse a late charge: its refund waits until no charge attempt can land."""
+REGISTRY = WorkflowRegistry.of([SAGA, HELD, PATIENT, BRITTLE, LEAN, UNFENCED])
 
 
 def run(command: Command, state: TaskState | None, *, now: datetime = NOW) -> tuple[Decision, TaskState | None]:
@@ -793,3 +796,19 @@ def test_a_result_naming_the_compensation_attempt_of_another_step_is_ignored() -
     decision, after = run(stray, state)
     assert types(decision) == [MessageIgnored]
     assert after == replace(state, sequence=state.sequence + 1)
+
+
+def test_an_undo_at_a_service_that_cannot_refuse_is_not_made_before_the_forward_attempt_can_no_longer_land() -> None:
+    state = apply(submit(workflow="unfenced"), None)
+    state = apply(accept(state, NOW + timedelta(seconds=1)), state)  # the charge runs until NOW + 4 s
+    decision, undoing = run(failure(state), state, now=NOW + timedelta(seconds=2))
+    (undo,) = only(decision, StepCompensationStarted)
+    assert undo.not_before == NOW + timedelta(seconds=6), "the attempt's end (4 s) plus 2 s for a call to land"
+    assert undo.start_by == undo.not_before + timedelta(seconds=UNDO.queue_timeout_s), "queued from then on"
+    assert undoing is not None and current(undoing).status == "compensating"
+
+
+def test_an_undo_at_a_service_that_fences_is_made_at_once() -> None:
+    decision, _after = run(failure(at_last_step(), permanent=True), at_last_step())
+    (undo,) = only(decision, StepCompensationStarted)
+    assert undo.not_before is None

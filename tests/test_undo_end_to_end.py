@@ -7,9 +7,18 @@ itself proves nothing here: each test reads what the service holds for the task.
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 
-from schemas.messages import CompensationStarted, LateResultRecorded, StepFailed, StepResult
+from schemas.messages import (
+    CompensationStarted,
+    LateResultRecorded,
+    StepAccepted,
+    StepCompensationStarted,
+    StepFailed,
+    StepResult,
+)
 from tests.kafka_helpers import wait_for
 from tests.system import System
 from tests.test_compensation_end_to_end import dashboard, of, saga, start
@@ -52,6 +61,32 @@ def test_a_step_whose_attempt_timed_out_after_the_service_applied_it_is_undone(s
     assert held(saga, "unknown-charge") == NOTHING
     assert "payments/charge" in records["tombstones"] and "unknown-charge:charge" in \
         records["tombstones"]["payments/charge"]
+
+
+def test_an_undo_at_a_service_that_cannot_refuse_waits_until_the_forward_call_can_no_longer_land(
+    saga: System,
+) -> None:
+    """The charge lands 4.5 s after it was sent, long after its attempt gave up at 3 s; the payment service
+    here keeps no tombstone for the refund (the workflow says it cannot refuse a late charge). The refund
+    waits until the last charge attempt's latest end plus the 2 s a call may take to land: it then finds
+    the charge and refunds it. Called at once, it would have found nothing, and the charge would stay."""
+    saga.admin.set_faults("payments/charge", latency_ms=4500)
+    start(saga)
+    saga.submit("unfenced", workflow="orders-unfenced")
+    assert saga.wait_terminal(["unfenced"], timeout_s=90) == {"unfenced": "compensated"}
+
+    records = saga.admin.records("unfenced")
+    (charge,) = records["charges"].values()
+    assert charge["status"] == "refunded", "the charge landed before the refund, which then released it"
+    assert held(saga, "unfenced") == NOTHING
+    assert "unfenced:charge" not in records["tombstones"].get("payments/charge", {}), "no fence was claimed"
+
+    events = saga.events("unfenced")
+    undo = next(e for e in of(events, StepCompensationStarted) if e.step == "charge")
+    (taken,) = [e for e in of(events, StepAccepted) if e.step == "charge" and not e.compensation]
+    assert undo.not_before == taken.complete_by + timedelta(seconds=2), "the attempt's end plus the landing time"
+    refund = next(e for e in of(events, StepAccepted) if e.step == "charge" and e.compensation)
+    assert refund.accepted_at >= undo.not_before, "the refund agent waited before taking it"
 
 
 def test_a_late_success_after_the_task_is_compensated_is_recorded_and_nothing_stays_held(saga: System) -> None:

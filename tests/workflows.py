@@ -122,5 +122,16 @@ ORDERS_COMP_QUICK_START = Workflow(
     escalation="compensate",
 )
 
+# The payment service as one that cannot refuse a late forward call (tests/test_undo_end_to_end.py): its
+# refund claims no tombstone and waits until a charge started by the last attempt can no longer land.
+ORDERS_UNFENCED = Workflow(
+    name="orders-unfenced",
+    version=1,
+    steps=tuple(step if step.name != "charge" or step.compensation is None else replace(
+        step, compensation=replace(step.compensation, forward_may_land_s=2.0)) for step in _compensated_order_steps()),
+    failure_threshold=1,
+    escalation="compensate",
+)
+
 COMPENSATION_REGISTRY = WorkflowRegistry.of([ORDERS_V1, ORDERS_V2, ORDERS_COMP, ORDERS_HOLD, ORDERS_PATIENT,
-                                             ORDERS_ONCE, ORDERS_CHAOS, ORDERS_COMP_QUICK_START])
+                                             ORDERS_ONCE, ORDERS_CHAOS, ORDERS_COMP_QUICK_START, ORDERS_UNFENCED])

@@ -140,9 +140,10 @@ class LocalBroker:
     """
 
     def __init__(self, home: Path, port: int | None = None, *, sasl_users: Mapping[str, str] | None = None,
-                 super_users: Sequence[str] = ()) -> None:
-        self.root = Path(home).resolve() / "broker"
-        self.requested_port = port
+                 super_users: Sequence[str] = (), node: NodePlan | None = None) -> None:
+        self.node = node
+        self.root = Path(home).resolve() / (f"broker-{node.node_id}" if node else "broker")
+        self.requested_port = node.port if node else port
         self.sasl_users = dict(sasl_users or {})
         self.super_users = list(super_users)
         if self.sasl_users:
@@ -185,10 +186,20 @@ class LocalBroker:
 
     def start(self) -> BrokerInfo:
         """Idempotent: a broker already running here is returned as it is."""
+        info, proc = self.launch()
+        try:
+            wait_ready(info, proc, login=self.sasl_client_config())
+        except BrokerError:
+            self.stop()
+            raise
+        return info
+
+    def launch(self) -> tuple[BrokerInfo, subprocess.Popen[bytes] | None]:
+        """Start the JVM without waiting for it to serve (a cluster's nodes wait for each other's quorum);
+        a broker already running here is returned with no process of ours."""
         running = self.status()
         if running is not None:
-            _wait_ready(running, proc=None, login=self.sasl_client_config())
-            return running
+            return running, None
         libs = fetch_jars()
         port, controller_port = self._ports()
         self._write_config(port, controller_port)
@@ -206,12 +217,7 @@ class LocalBroker:
             proc = subprocess.Popen(jvm, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         info = BrokerInfo(pid=proc.pid, port=port)
         self._state_file.write_text(json.dumps({"pid": proc.pid, "port": port}))
-        try:
-            _wait_ready(info, proc, login=self.sasl_client_config())
-        except BrokerError:
-            self.stop()
-            raise
-        return info
+        return info, proc
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> bool:
         """SIGTERM, wait for a clean shutdown, SIGKILL only past the timeout. False if none was running."""
@@ -253,17 +259,21 @@ class LocalBroker:
             port = int(previous["stepstream.port"])
         else:
             port = free_port()
+        if self.node is not None:
+            return port, self.node.quorum[self.node.node_id]
         controller = int(previous.get("stepstream.controller.port") or free_port())
         return port, controller
 
     def _write_config(self, port: int, controller_port: int) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
+        node_id, quorum = (self.node.node_id, self.node.quorum) if self.node else (1, {1: controller_port})
+        replicas = len(quorum)
         settings = {
             "stepstream.port": port,
             "stepstream.controller.port": controller_port,
             "process.roles": "broker,controller",
-            "node.id": 1,
-            "controller.quorum.voters": f"1@127.0.0.1:{controller_port}",
+            "node.id": node_id,
+            "controller.quorum.voters": ",".join(f"{n}@127.0.0.1:{p}" for n, p in sorted(quorum.items())),
             "listeners": f"PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}",
             "advertised.listeners": f"PLAINTEXT://127.0.0.1:{port}",
             "controller.listener.names": "CONTROLLER",
@@ -272,13 +282,16 @@ class LocalBroker:
             "log.dirs": self.data_dir,
             "num.partitions": 1,
             "auto.create.topics.enable": "false",
-            "offsets.topic.replication.factor": 1,
+            # On a cluster of three or more, production defaults: three copies, a write on two of them.
+            "default.replication.factor": min(replicas, 3),
+            "min.insync.replicas": min_insync_replicas(replicas),
+            "offsets.topic.replication.factor": min(replicas, 3),
             "offsets.topic.num.partitions": 10,
-            "transaction.state.log.replication.factor": 1,
-            "transaction.state.log.min.isr": 1,
+            "transaction.state.log.replication.factor": min(replicas, 3),
+            "transaction.state.log.min.isr": min_insync_replicas(replicas),
             "transaction.state.log.num.partitions": 10,
-            "share.coordinator.state.topic.replication.factor": 1,
-            "share.coordinator.state.topic.min.isr": 1,
+            "share.coordinator.state.topic.replication.factor": min(replicas, 3),
+            "share.coordinator.state.topic.min.isr": min_insync_replicas(replicas),
             "group.initial.rebalance.delay.ms": 0,
             "log.retention.hours": -1,
         }
@@ -313,7 +326,7 @@ class LocalBroker:
         }
 
     def _format(self, classpath: str) -> None:
-        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        cluster_id = self.node.cluster_id if self.node else new_cluster_id()
         result = subprocess.run(
             ["java", f"-Dlog4j2.configurationFile={self.root / 'log4j2.properties'}", "-cp", classpath,
              "kafka.tools.StorageTool", "format", "--cluster-id", cluster_id,
@@ -322,6 +335,26 @@ class LocalBroker:
         )
         if result.returncode != 0:
             raise BrokerError(f"formatting the KRaft storage failed:\n{result.stdout}\n{result.stderr}")
+
+
+def new_cluster_id() -> str:
+    return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+
+
+def min_insync_replicas(replicas: int) -> int:
+    """Two copies must take a write (acks=all) once there are three: one broker may fail without losing
+    an acknowledged record or stopping writes. Fewer brokers cannot afford it."""
+    return 2 if replicas >= 3 else 1
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """One node of a local KRaft cluster: its id, its client port, and every node's controller port."""
+
+    node_id: int
+    port: int
+    quorum: Mapping[int, int]
+    cluster_id: str
 
 
 def _reap(pid: int) -> None:
@@ -344,7 +377,7 @@ def _check_sasl_users(users: Mapping[str, str], super_users: Sequence[str]) -> N
         raise BrokerError(f"super users without a password in sasl_users: {', '.join(unknown)}")
 
 
-def _wait_ready(info: BrokerInfo, proc: subprocess.Popen[bytes] | None,
+def wait_ready(info: BrokerInfo, proc: subprocess.Popen[bytes] | None,
                 login: Mapping[str, Any] | None = None) -> None:
     """Ready means the admin API answers with this broker in the metadata, not that time has passed."""
     admin = AdminClient(

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from eventstore.broker import min_insync_replicas
 from eventstore.errors import InfrastructureError
 from eventstore.settings import KafkaSettings
 
@@ -117,13 +118,21 @@ def reader_group(purpose: str) -> str:
 
 def ensure_topics(admin: AdminClient, specs: list[TopicSpec], replication_factor: int = 1,
                   timeout_s: float = 30.0) -> list[str]:
-    """Create what is missing; an existing topic is left as it is. Returns the names created."""
+    """Create what is missing; an existing topic is left as it is. Returns the names created.
+
+    With three replicas or more a topic also gets ``min.insync.replicas`` 2 (unless its spec says otherwise),
+    whatever the cluster's default: with producers at acks=all, one broker may fail without losing an
+    acknowledged record or stopping writes.
+    """
     existing = set(admin.list_topics(timeout=timeout_s).topics)
     missing = [s for s in specs if s.name not in existing]
     if not missing:
         return []
+    quorum = min_insync_replicas(replication_factor)
+    durability = {"min.insync.replicas": str(quorum)} if quorum > 1 else {}
     futures = admin.create_topics(
-        [NewTopic(s.name, num_partitions=s.partitions, replication_factor=replication_factor, config=s.config)
+        [NewTopic(s.name, num_partitions=s.partitions, replication_factor=replication_factor,
+                  config={**durability, **s.config})
          for s in missing],
         operation_timeout=timeout_s,
     )

@@ -25,6 +25,10 @@ def _broker(args: argparse.Namespace) -> int:
     from eventstore.broker import LocalBroker
 
     settings = KafkaSettings()
+    if args.nodes < 1:
+        raise SystemExit("stepstream broker: --nodes must be at least 1")
+    if args.nodes > 1:
+        return _cluster(args, settings)
     broker = LocalBroker(settings.home, port=args.port)
     if args.action == "start":
         info = broker.start()
@@ -39,6 +43,27 @@ def _broker(args: argparse.Namespace) -> int:
         return 3
     print(f"broker running: pid {running.pid}, bootstrap {running.bootstrap_servers}, log {broker.log_file}")
     return 0
+
+
+def _cluster(args: argparse.Namespace, settings: KafkaSettings) -> int:
+    """``broker ACTION --nodes N``: the same, for a local cluster of N brokers (``eventstore.cluster``)."""
+    from eventstore.cluster import LocalCluster
+
+    cluster = LocalCluster(settings.home, args.nodes)
+    if args.action == "start":
+        cluster.start()
+        print(f"cluster of {args.nodes} brokers running: bootstrap {cluster.bootstrap_servers}; use it with "
+              f"STEPSTREAM_BOOTSTRAP_SERVERS={cluster.bootstrap_servers} STEPSTREAM_REPLICATION_FACTOR="
+              f"{min(args.nodes, 3)}")
+        return 0
+    if args.action == "stop":
+        cluster.stop()
+        print("cluster stopped")
+        return 0
+    running = {node.node.node_id: node.status() for node in cluster.nodes if node.node is not None}
+    for node_id, info in running.items():
+        print(f"broker {node_id}: " + (f"running, pid {info.pid}, 127.0.0.1:{info.port}" if info else "not running"))
+    return 0 if all(running.values()) else 3
 
 
 def _topics(_args: argparse.Namespace) -> int:
@@ -93,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     broker = commands.add_parser("broker", help="the local single-node Kafka broker (KRaft)")
     broker.add_argument("action", choices=["start", "stop", "status"])
     broker.add_argument("--port", type=int, default=None, help="listener port (default: free, then kept)")
+    broker.add_argument("--nodes", type=int, default=1, help="brokers in the local cluster (3: replicated, "
+                                                            "min.insync.replicas 2)")
     broker.set_defaults(func=_broker)
 
     topics = commands.add_parser("topics", help="create the topic layout")

@@ -1,0 +1,77 @@
+"""A three-broker KRaft cluster from the project's own jars: replicated topics, a broker SIGKILLed while
+records are written, nothing acknowledged lost or doubled, writes going on, and the broker back."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from confluent_kafka import Consumer, KafkaError, Message, Producer
+from confluent_kafka.admin import AdminClient, ConfigResource
+
+from eventstore.cluster import LocalCluster
+from eventstore.kafka_config import producer_config
+from eventstore.topics import TopicSpec, ensure_topics
+
+pytestmark = pytest.mark.kafka
+
+
+def produce(bootstrap: str, topic: str, values: range) -> list[KafkaError]:
+    """Send ``values`` with the product's producer settings (idempotent, acks=all); the delivery errors."""
+    errors: list[KafkaError] = []
+
+    def delivered(error: KafkaError | None, _message: Message) -> None:
+        if error is not None:
+            errors.append(error)
+
+    producer = Producer({**producer_config(bootstrap), "delivery.report.only.error": False})
+    for value in values:
+        producer.produce(topic, key=str(value % 17), value=str(value), on_delivery=delivered)
+        producer.poll(0)
+    assert producer.flush(60) == 0, "every record acknowledged within a minute"
+    return errors
+
+
+def read_all(bootstrap: str, topic: str, expected: int) -> Counter[str]:
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "cluster-reader", "auto.offset.reset": "earliest",
+                         "enable.auto.commit": False, "isolation.level": "read_committed"})
+    consumer.subscribe([topic])
+    seen: Counter[str] = Counter()
+    deadline = time.monotonic() + 60
+    try:
+        while time.monotonic() < deadline:
+            message = consumer.poll(0.5)
+            if message is not None and message.error() is None:
+                seen[(message.value() or b"").decode()] += 1
+            if sum(seen.values()) >= expected:
+                break
+    finally:
+        consumer.close()
+    return seen
+
+
+def test_a_sigkilled_broker_of_three_loses_no_acknowledged_record_and_writes_go_on(tmp_path: Path) -> None:
+    cluster = LocalCluster(tmp_path, nodes=3)
+    cluster.start()
+    try:
+        bootstrap = cluster.bootstrap_servers
+        admin = AdminClient({"bootstrap.servers": bootstrap})
+        ensure_topics(admin, [TopicSpec("orders", 3)], replication_factor=3)
+        partitions = admin.list_topics("orders", timeout=30).topics["orders"].partitions
+        assert all(len(p.replicas) == 3 for p in partitions.values()), "three copies of every partition"
+        (config,) = admin.describe_configs([ConfigResource("topic", "orders")]).values()
+        assert config.result(timeout=30)["min.insync.replicas"].value == "2"
+
+        assert produce(bootstrap, "orders", range(0, 300)) == []
+        cluster.node(2).kill()
+        assert produce(bootstrap, "orders", range(300, 600)) == [], "two of three in sync: writes go on"
+
+        seen = read_all(bootstrap, "orders", 600)
+        assert set(seen) == {str(v) for v in range(600)} and set(seen.values()) == {1}, "each record once"
+
+        cluster.node(2).start()
+        assert len(admin.list_topics(timeout=30).brokers) == 3, "the killed broker is back in the cluster"
+    finally:
+        cluster.stop()

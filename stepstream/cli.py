@@ -16,7 +16,8 @@ from eventstore.errors import KafkaUnreachable, StepstreamError
 from eventstore.kafka_config import kafka_reason
 from eventstore.settings import KafkaSettings
 from projections import commands as projection_commands
-from stepstream import api_server, operator, outbox, submit_cli
+from stepstream import operator, outbox, submit_cli
+from stepstream.http import server
 
 EXIT_UNAVAILABLE = 69  # sysexits' EX_UNAVAILABLE: the Kafka cluster did not answer
 
@@ -138,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     submit_cli.add_parsers(commands)
     operator.add_parsers(commands)
     projection_commands.add_parsers(commands)
-    api_server.add_parsers(commands)
+    server.add_parsers(commands)
     dlq_tools.add_parsers(commands)
     outbox.add_parsers(commands)
 

@@ -31,8 +31,8 @@ from eventstore.kafka_config import connection_config
 from eventstore.settings import ConsumerSettings, KafkaSettings, ObservabilitySettings
 from eventstore.shutdown import GracefulShutdown
 from eventstore.topics import TopicLayout, ensure_topics
-from projections.settings import ApiSettings
 from scheduler.settings import SchedulerSettings
+from stepstream.http.settings import ApiSettings
 from stepstream.processes import ServiceProcesses, child_env
 from stepstream.restarts import RestartPolicy, RestartSettings
 

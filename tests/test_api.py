@@ -13,12 +13,12 @@ from fastapi.testclient import TestClient
 
 from eventstore.dlq import HEADER_PREFIX, REPLAY_OF, REPLAY_TIME, REPLAY_TO, DeadLetter, dlq_headers
 from eventstore.topics import TopicLayout
-from projections.api import create_app
 from projections.dlq_rows import project_dead_letter
 from projections.lag import PROJECTION, LagReader
 from projections.settings import StoreSpec
 from projections.store import Positioned, Store
 from schemas.messages import Event, OperatorAlert, StepAccepted, StepFailed, StepStarted, TaskAccepted
+from stepstream.http.app import create_app
 from tests.histories import histories, publish
 
 LAYOUT = TopicLayout(prefix="api.", partitions=3)

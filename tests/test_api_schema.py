@@ -18,11 +18,13 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from projections.api import create_app
 from projections.lag import LagReader
-from projections.settings import ApiSettings
 from projections.store import Positioned, SqliteStore
-from stepstream.task_api import GlobalAdmission, TaskWriter, write_router
+from stepstream.http.admission import GlobalAdmission
+from stepstream.http.app import create_app
+from stepstream.http.settings import ApiSettings
+from stepstream.http.writer import TaskWriter
+from stepstream.http.writes import write_router
 from tests.histories import histories
 from tests.system import System
 from tests.workflows import REGISTRY

@@ -19,10 +19,11 @@ from pydantic_settings import BaseSettings
 
 from agents.settings import AgentSettings
 from eventstore.settings import ConsumerSettings, KafkaSecuritySettings, KafkaSettings, ObservabilitySettings
-from projections.settings import ApiSettings, StoreSettings
+from projections.settings import StoreSettings
 from scheduler.settings import SchedulerSettings
 from schemas.sealed import EncryptionSettings
 from stepstream.cli import build_parser
+from stepstream.http.settings import ApiSettings
 from stepstream.outbox import OutboxSettings
 from stepstream.restarts import RestartSettings
 from supervisor.settings import SupervisorSettings

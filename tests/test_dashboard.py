@@ -26,10 +26,10 @@ from eventstore.dlq import DeadLetter, dlq_headers
 from eventstore.producer import EventProducer
 from eventstore.replay import LogRange, ReplayReader
 from eventstore.topics import TopicLayout
-from projections.api import create_app
 from projections.dlq_rows import project_dead_letter
 from projections.lag import LagReader
 from projections.store import Positioned, SqliteStore
+from stepstream.http.app import create_app
 from tests.histories import histories, publish
 from tests.kafka_helpers import wait_for
 

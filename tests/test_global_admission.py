@@ -13,7 +13,7 @@ import pytest
 from eventstore.topics import TopicLayout
 from projections.store import Positioned, SqliteStore
 from schemas.messages import TaskAccepted
-from stepstream.task_api import GlobalAdmission
+from stepstream.http.admission import GlobalAdmission
 from tests.histories import history
 
 LAYOUT = TopicLayout(prefix="adm.", partitions=3)

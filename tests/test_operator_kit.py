@@ -20,12 +20,12 @@ import agents.policy
 import agents.runtime
 import eventstore.metrics
 import scheduler.service
+import stepstream.http.writes
 import stepstream.outbox
-import stepstream.task_api
 import supervisor.service
-from projections.api import DashboardCollector
 from projections.lag import LagReader, PartitionLag
 from projections.store import SqliteStore
+from stepstream.http.metrics import DashboardCollector
 
 ROOT = Path(__file__).parent.parent
 RULES = ROOT / "deploy" / "prometheus" / "alerts.yml"
@@ -33,7 +33,7 @@ RULE_TESTS = ROOT / "deploy" / "prometheus" / "alerts_test.yml"
 DASHBOARD = ROOT / "deploy" / "grafana" / "stepstream.json"
 PROMTOOL = Path(os.environ.get("STEPSTREAM_PROMTOOL", Path.home() / ".cache" / "stepstream" / "bin" / "promtool"))
 SERVICES = (agents.dependencies, agents.policy, agents.runtime, eventstore.metrics, scheduler.service,
-            stepstream.outbox, stepstream.task_api, supervisor.service)  # importing them registers their metrics
+            stepstream.outbox, stepstream.http.writes, supervisor.service)  # importing them registers their metrics
 METRIC = re.compile(r"\bstepstream_[a-z_]+\b")
 
 

@@ -21,7 +21,7 @@ import pytest
 from agents.policy import parse_policy
 from stepstream.cli import build_parser
 from stepstream.client import Client
-from stepstream.task_api import SubmissionRequest
+from stepstream.http.bodies import SubmissionRequest
 
 ROOT = Path(__file__).parent.parent
 PACKAGES = "docs|examples|schemas|eventstore|projections|scheduler|agents|supervisor|stepstream|demo|tests|benchmarks"

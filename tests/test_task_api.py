@@ -14,14 +14,16 @@ import pytest
 from fastapi.testclient import TestClient
 
 from eventstore.topics import TopicLayout
-from projections.api import create_app
 from projections.lag import LagReader
-from projections.settings import ApiSettings
 from projections.store import SqliteStore
 from scheduler.decider import TERMINAL
 from schemas.codec import default_codec
 from schemas.messages import OperatorCommand, StatusUpdate, SubmitTask, TaskAccepted
-from stepstream.task_api import GlobalAdmission, TaskWriter, write_router
+from stepstream.http.admission import GlobalAdmission
+from stepstream.http.app import create_app
+from stepstream.http.settings import ApiSettings
+from stepstream.http.writer import TaskWriter
+from stepstream.http.writes import write_router
 from tests.kafka_helpers import read_all, wait_for
 from tests.system import System
 from tests.workflows import REGISTRY

@@ -14,7 +14,6 @@ from typing import Any
 import orjson
 import pytest
 
-from projections.api import TaskState
 from projections.settings import StoreSpec
 from projections.store import Positioned, SqliteStore, Store
 from schemas.messages import (
@@ -31,6 +30,7 @@ from schemas.messages import (
     TaskRejected,
 )
 from stepstream.cli import main
+from stepstream.http.reads import TaskState
 from stepstream.submit_cli import TASK_STATES, TaskFilter, all_tasks
 
 START = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)

@@ -1,39 +1,24 @@
-"""The query API for dashboards: JSON over HTTP (FastAPI, OpenAPI at /openapi.json), the dashboard page
-itself (``/``), and Prometheus metrics (``/metrics``), all served from the state store by one process.
+"""The read routes: tasks, steps, alerts, dead letters, lag, throughput and health, queried from the store.
 
-Every list is bounded (``limit``), and long ones are keyset-paginated: a response's ``next_cursor``,
-passed back as ``cursor``, continues after its last item, stable while new rows arrive. Times are epoch
-milliseconds in responses and ISO 8601 in query parameters. Invalid parameters get FastAPI's 422,
-whose ``detail[].loc`` names the parameter.
+Only the HTTP shape lives here (parameters, bounds, cursors, 404s and 503s); every query is the store's.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime, timedelta
 from enum import Enum
-from pathlib import Path
 from typing import Annotated, Any
 
 import orjson
-import structlog
-from fastapi import APIRouter, FastAPI, HTTPException, Query
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, Response
-from fastapi.staticfiles import StaticFiles
-from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
+from fastapi import APIRouter, HTTPException, Query
 
-from eventstore.topics import TopicLayout
 from projections.lag import LagReader
 from projections.rows import exact_ms
 from projections.store import Store
+from stepstream.http.errors import invalid
 
-log = structlog.get_logger("stepstream.api")
-DASHBOARD = Path(__file__).parent / "dashboard"
 MAX_INT64 = 2**63 - 1  # what both stores' integer columns hold: larger values are refused with a 422
 
 
@@ -49,13 +34,6 @@ class TaskState(str, Enum):
 
 
 Limit = Annotated[int, Query(ge=1, le=500, description="at most this many items")]
-
-
-def invalid(parameter: str, message: str, value: Any, where: str = "query") -> RequestValidationError:
-    """A 422 shaped like FastAPI's own, naming the parameter (or body field, ``input.amount`` for a nested
-    one) at fault."""
-    return RequestValidationError([{"type": "value_error", "loc": (where, *parameter.split(".")), "msg": message,
-                                    "input": value}])
 
 
 def encode_cursor(*values: Any) -> str:
@@ -85,60 +63,12 @@ def _page(items: list[dict[str, Any]], limit: int, *cursor_columns: str) -> dict
     return {"items": items, "next_cursor": encode_cursor(*(last[c] for c in cursor_columns)) if last else None}
 
 
-class DashboardCollector(Collector):
-    """Gauges read at scrape time from the store and the broker: what the dashboard shows, for alerting."""
+def read_router(store: Store, topics: list[str], lag: LagReader | None) -> APIRouter:
+    """The query endpoints over ``store``; ``topics`` are the ones whose offsets the store keeps, and ``lag``
+    reads the broker (None: the lag endpoint answers 503)."""
+    router = APIRouter()
 
-    def __init__(self, store: Store, lag: LagReader | None, topics: list[str]) -> None:
-        self.store = store
-        self.lag = lag
-        self.topics = topics
-
-    def collect(self) -> Iterable[Metric]:
-        depth = GaugeMetricFamily("stepstream_dlq_depth", "Dead letters not replayed yet, by error kind",
-                                  labels=["kind"])
-        for kind, count in sorted(self.store.dlq_depth().items()):
-            depth.add_metric([kind], count)
-        yield depth
-        tasks = GaugeMetricFamily("stepstream_tasks", "Tasks in the state store, by state", labels=["state"])
-        for state, count in sorted(self.store.counts_by_status().items()):
-            tasks.add_metric([state], count)
-        yield tasks
-        steps = GaugeMetricFamily("stepstream_steps", "Steps in the state store, by state (queued: waiting for an "
-                                  "agent)", labels=["state"])
-        for state, count in sorted(self.store.step_counts_by_status().items()):
-            steps.add_metric([state], count)
-        yield steps
-        if self.lag is None:
-            return
-        groups = GaugeMetricFamily("stepstream_group_lag", "Records between a consumer group's committed "
-                                   "offset and the last stable offset", labels=["group", "topic", "partition"])
-        projection = GaugeMetricFamily("stepstream_projection_lag", "Records between the state store's "
-                                       "offsets and the last stable offset", labels=["topic", "partition"])
-        try:
-            for row in self.lag.groups():
-                groups.add_metric([row.group, row.topic, str(row.partition)], row.lag)
-            for row in self.lag.projection({t: self.store.offsets(t) for t in self.topics}):
-                projection.add_metric([row.topic, str(row.partition)], row.lag)
-        except Exception as exc:  # the broker is down: the store's gauges still count
-            log.warning("lag not measured", error=repr(exc))
-            return
-        yield groups
-        yield projection
-
-
-def create_app(store: Store, layout: TopicLayout, lag: LagReader | None = None,
-               routers: Sequence[APIRouter] = ()) -> FastAPI:
-    """The API over ``store``. ``lag`` reads the broker (None: lag endpoints answer 503); ``routers`` add
-    endpoints served by the same process (the write side: ``stepstream.task_api``)."""
-    app = FastAPI(title="stepstream", version="1", summary="Dashboards over the stepstream state store",
-                  description=__doc__)
-    for router in routers:
-        app.include_router(router)
-    topics = [layout.events, layout.dlq]
-    metrics = CollectorRegistry(auto_describe=False)
-    metrics.register(DashboardCollector(store, lag, topics))
-
-    @app.get("/api/tasks", tags=["tasks"])
+    @router.get("/api/tasks", tags=["tasks"])
     def tasks(
         state: Annotated[TaskState | None, Query(description="only tasks in this state")] = None,
         workflow: Annotated[str | None, Query(min_length=1, max_length=200)] = None,
@@ -156,7 +86,7 @@ def create_app(store: Store, layout: TopicLayout, lag: LagReader | None = None,
                             until_ms=until_ms, before=(before[0], before[1]) if before else None, limit=limit)
         return _page(items, limit, "created_at", "task_id")
 
-    @app.get("/api/tasks/{task_id}", tags=["tasks"], responses={404: {"description": "no such task in the store"}})
+    @router.get("/api/tasks/{task_id}", tags=["tasks"], responses={404: {"description": "no such task in the store"}})
     def task(task_id: str) -> dict[str, Any]:
         """One task, its steps, and its full timeline (every event, decoded)."""
         found = store.task(task_id)
@@ -166,18 +96,18 @@ def create_app(store: Store, layout: TopicLayout, lag: LagReader | None = None,
                     for e in store.history(task_id)]
         return {**found, "timeline": timeline}
 
-    @app.get("/api/counts", tags=["tasks"])
+    @router.get("/api/counts", tags=["tasks"])
     def counts() -> dict[str, Any]:
         """Tasks and steps by state."""
         by_state = store.counts_by_status()
         return {"tasks": by_state, "steps": store.step_counts_by_status(), "total": sum(by_state.values())}
 
-    @app.get("/api/steps/stuck", tags=["steps"])
+    @router.get("/api/steps/stuck", tags=["steps"])
     def stuck_steps(limit: Limit = 50) -> dict[str, Any]:
         """Steps processing or compensating past their deadline, oldest deadline first."""
         return {"items": store.stuck_steps(datetime.now(UTC), limit)}
 
-    @app.get("/api/steps/queued", tags=["steps"])
+    @router.get("/api/steps/queued", tags=["steps"])
     def queued_steps(limit: Limit = 50,
                      minutes: Annotated[int, Query(ge=1, le=7 * 24 * 60, description="the window of `waits`")] = 15,
                      ) -> dict[str, Any]:
@@ -187,17 +117,17 @@ def create_app(store: Store, layout: TopicLayout, lag: LagReader | None = None,
         items = [{**row, "waiting_ms": max(0, now - row["queued_at"])} for row in store.queued_steps(limit)]
         return {"items": items, "waits": store.queue_waits(now - minutes * 60000)}
 
-    @app.get("/api/steps/failed", tags=["steps"])
+    @router.get("/api/steps/failed", tags=["steps"])
     def failed_steps(limit: Limit = 50) -> dict[str, Any]:
         """Steps that failed, or whose compensation failed, most recent first."""
         return {"items": store.failed_steps(limit)}
 
-    @app.get("/api/alerts", tags=["operators"])
+    @router.get("/api/alerts", tags=["operators"])
     def alerts(limit: Limit = 50, before_id: Annotated[int | None, Query(ge=1, le=MAX_INT64)] = None) -> dict[str, Any]:
         """Operator alerts, most recent first; ``before_id`` pages back."""
         return {"items": store.alerts(limit, before_id)}
 
-    @app.get("/api/dlq", tags=["operators"])
+    @router.get("/api/dlq", tags=["operators"])
     def dlq(limit: Limit = 50, replayed: bool | None = None,
             cursor: Annotated[str | None, Query(description="next_cursor of the previous page")] = None,
             ) -> dict[str, Any]:
@@ -207,13 +137,13 @@ def create_app(store: Store, layout: TopicLayout, lag: LagReader | None = None,
                                   replayed=replayed)
         return _page(items, limit, "dead_at", "partition", "dlq_offset")
 
-    @app.get("/api/dlq/summary", tags=["operators"])
+    @router.get("/api/dlq/summary", tags=["operators"])
     def dlq_summary() -> dict[str, Any]:
         """DLQ depth (dead letters not replayed), by error kind."""
         by_kind = store.dlq_depth()
         return {"depth": sum(by_kind.values()), "by_kind": by_kind}
 
-    @app.get("/api/lag", tags=["operators"], responses={503: {"description": "the broker did not answer"}})
+    @router.get("/api/lag", tags=["operators"], responses={503: {"description": "the broker did not answer"}})
     def consumer_lag() -> dict[str, Any]:
         """Lag per consumer group and partition, and the state store's own, against the last stable offset."""
         if lag is None:
@@ -225,7 +155,7 @@ def create_app(store: Store, layout: TopicLayout, lag: LagReader | None = None,
             raise HTTPException(503, f"the broker did not answer: {exc}") from exc
         return {"groups": [r.as_json() for r in groups], "projection": [r.as_json() for r in projection]}
 
-    @app.get("/api/throughput", tags=["operators"])
+    @router.get("/api/throughput", tags=["operators"])
     def throughput(minutes: Annotated[int, Query(ge=1, le=7 * 24 * 60)] = 60) -> dict[str, Any]:
         """Events per minute over the last ``minutes`` (from the task history); minutes without any are 0."""
         now = datetime.now(UTC).replace(second=0, microsecond=0) + timedelta(minutes=1)
@@ -235,20 +165,10 @@ def create_app(store: Store, layout: TopicLayout, lag: LagReader | None = None,
         series = [{"minute": first + i * 60000, "events": seen.get(first + i * 60000, 0)} for i in range(minutes)]
         return {"series": series, "total": sum(seen.values())}
 
-    @app.get("/api/health", tags=["operators"])
+    @router.get("/api/health", tags=["operators"])
     def health() -> dict[str, Any]:
         """The store this API reads and how far it is (its offsets)."""
         return {"store": store.describe(),
                 "offsets": {t: {str(p): o for p, o in store.offsets(t).items()} for t in topics}}
 
-    @app.get("/metrics", include_in_schema=False)
-    def prometheus() -> Response:
-        return Response(generate_latest(REGISTRY) + generate_latest(metrics),
-                        media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    @app.get("/", include_in_schema=False)
-    def dashboard() -> FileResponse:
-        return FileResponse(DASHBOARD / "index.html")
-
-    app.mount("/static", StaticFiles(directory=DASHBOARD), name="static")
-    return app
+    return router

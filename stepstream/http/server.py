@@ -1,8 +1,5 @@
-"""``stepstream serve api``: the HTTP app (the store's reads and the dashboard from ``projections.api``, the
-writes from ``stepstream.task_api``) on a uvicorn server that drains on SIGTERM like every service.
-
-It lives in the front because it composes the front's write side: ``projections`` offers the queries and
-knows nothing of the writes.
+"""``stepstream serve api``: the HTTP app (``stepstream.http.app``) on a uvicorn server that drains on SIGTERM
+like every service, with the write side only when tokens and a Kafka cluster are configured.
 """
 
 from __future__ import annotations
@@ -22,21 +19,22 @@ from eventstore.settings import ConsumerSettings, KafkaSettings, ObservabilitySe
 from eventstore.shutdown import GracefulShutdown
 from eventstore.topics import TopicLayout
 from projections.commands import UsageError
-from projections.settings import ApiSettings, StoreSettings
+from projections.settings import StoreSettings
+from stepstream.http.settings import ApiSettings
 
 if TYPE_CHECKING:
     from projections.lag import LagReader
     from projections.store import Store
-    from stepstream.task_api import TaskWriter
+    from stepstream.http.writer import TaskWriter
 
 
 def serve_api(*, host: str | None, port: int | None) -> int:
     """Serve the API, the dashboard and /metrics until SIGTERM/SIGINT (uvicorn drains open requests)."""
     import uvicorn
 
-    from projections.api import create_app
     from projections.lag import LagReader
-    from stepstream.task_api import write_router
+    from stepstream.http.app import create_app
+    from stepstream.http.writes import write_router
 
     # Armed before anything connects, as in every service: a SIGTERM during start-up is a stop, not a kill.
     stop = GracefulShutdown(ConsumerSettings().drain_timeout_s).install().event
@@ -74,6 +72,7 @@ def serve_api(*, host: str | None, port: int | None) -> int:
         app = create_app(store, layout, lag, [write_router(writer, settings)])
         server = _draining_server_class()(uvicorn.Config(app, log_level="warning", access_log=False))
         # uvicorn installs its own handlers when it runs; a signal that came before that stops it all the same.
+
         def stop_server() -> None:
             stop.wait()
             server.should_exit = True
@@ -105,7 +104,8 @@ def _task_writer(kafka: KafkaSettings, layout: TopicLayout, store: Store, lag: L
                  settings: ApiSettings) -> TaskWriter:
     """The write side, checking submissions against the workflows the scheduler runs (same setting)."""
     from scheduler.settings import SchedulerSettings
-    from stepstream.task_api import GlobalAdmission, TaskWriter
+    from stepstream.http.admission import GlobalAdmission
+    from stepstream.http.writer import TaskWriter
 
     admission = GlobalAdmission(store, lag, layout, settings.max_in_flight, settings.admission_refresh_s)
     return TaskWriter(bootstrap=kafka.resolved_bootstrap(), layout=layout, store=store,

@@ -1,0 +1,88 @@
+"""Admission: a submission pinned to a workflow version, then accepted and started or rejected at the bound.
+
+A repeat of the same submission is a no-op, one that contradicts it goes to the DLQ, and a repeat of a
+rejected one asks for admission again: the door's rules in one module, apart from running the steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from scheduler.decider.decision import Builder, Decision
+from scheduler.decider.forward import start_attempt
+from scheduler.decider.ids import input_digest
+from scheduler.decider.state import TaskState
+from scheduler.workflow import WorkflowNotFoundError, WorkflowRegistry
+from schemas.messages import OperatorAlert, SubmitTask, TaskAccepted, TaskRejected
+
+DEFAULT_MAX_IN_FLIGHT = 2_000
+"""Non-terminal tasks per inbox partition before submissions are rejected: what the system can work off
+well within a queued step's start-by. Measured on the reference machine (BENCHMARKS.md, issue 12 item 3),
+the whole system completes about 310 steps/s with a 50 ms service; a backlog of N tasks (3 steps each)
+takes 3N/310 s, and the last request of it waits about that long for an agent. 6 partitions x 2,000 =
+12,000 tasks is about 116 s of work, under half the default start-by of 300 s: a burst the system admits
+is worked off without an attempt expiring queued, one past it is refused at the door (``TaskRejected``,
+HTTP 429) instead of failing in the middle. Faster machines or more agents can raise it, in proportion."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds the decider enforces. ``max_in_flight`` is per scheduler partition (admission control)."""
+
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+
+    def __post_init__(self) -> None:
+        if self.max_in_flight < 0:
+            raise ValueError("max_in_flight cannot be negative")
+
+
+def admit(command: SubmitTask, registry: WorkflowRegistry, now: datetime, in_flight: int,
+           limits: Limits, rejected: TaskState | None = None) -> Decision:
+    """A first submission, or the repeat of a ``rejected`` one: pin the workflow version, then reject
+    (past the bound) or accept and start."""
+    version = command.workflow_version if rejected is None else rejected.workflow_version  # pinned already
+    try:
+        workflow = registry.get(command.workflow, version)
+    except WorkflowNotFoundError as exc:
+        wanted = "latest" if version is None else f"v{version}"
+        return Decision((), dead_letter=f"unknown workflow {command.workflow!r} ({wanted}): {exc}")
+    builder = (Builder(command, None, now, workflow.name, workflow.version) if rejected is None
+               else Builder.on(command, rejected, now))
+    submission = {
+        "input_digest": input_digest(workflow.name, workflow.version, command.input),
+        "submitter": command.submitter,
+        "reply_topic": command.reply_topic,
+    }
+    if in_flight >= limits.max_in_flight:
+        reason = f"admission control: {in_flight} tasks in flight, the limit is {limits.max_in_flight}"
+        builder.emit(TaskRejected, reason=reason, **submission)
+        return builder.decision()
+    builder.emit(TaskAccepted, input=command.input, **submission)
+    start_attempt(builder, workflow, 0)
+    return builder.decision()
+
+
+def resubmit(command: SubmitTask, state: TaskState, registry: WorkflowRegistry, now: datetime, in_flight: int,
+              limits: Limits) -> Decision:
+    """The same task id again: a no-op if it is the same submission, else a contradiction for the DLQ.
+
+    Nothing of the existing task is overwritten either way, whatever its status; the contradiction is
+    recorded on the task as an operator alert so it shows where operators look for the task. The one
+    exception is a task that admission control rejected: the same submission again asks for admission
+    again (and is rejected again, visibly, while the system is still full).
+    """
+    version = state.workflow_version if command.workflow_version is None else command.workflow_version
+    digest = input_digest(command.workflow, version, command.input)
+    if command.workflow == state.workflow and digest == state.input_digest:
+        if state.status == "rejected":
+            return admit(command, registry, now, in_flight, limits, rejected=state)
+        return Decision(())
+    reason = (
+        f"contradictory duplicate submission of task {state.task_id!r}: {command.workflow!r} v{version} "
+        f"with input digest {digest[:12]} differs from the submitted {state.workflow!r} "
+        f"v{state.workflow_version} with digest {state.input_digest[:12]}"
+    )
+    builder = Builder.on(command, state, now)
+    builder.emit(OperatorAlert, reason=reason)
+    return builder.decision(dead_letter=reason)

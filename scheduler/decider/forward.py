@@ -1,0 +1,130 @@
+"""Forward steps: start attempts within the step's budget, move on, retry, or escalate by the workflow's policy.
+
+``_escalate`` is the one place that decides what giving up on a step does to its task.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from scheduler.decider.attempts import alert_overspend, expiry, in_progress
+from scheduler.decider.compensation import begin_compensation
+from scheduler.decider.decision import Builder
+from scheduler.decider.ids import attempt_id
+from scheduler.decider.state import StepState
+from scheduler.workflow import Workflow
+from schemas.messages import (
+    OperatorAlert,
+    RecoverStep,
+    StepFailed,
+    StepResult,
+    StepStarted,
+    StepSucceeded,
+    TaskCompleted,
+    TaskFailed,
+)
+
+
+def on_result(builder: Builder, workflow: Workflow, result: StepResult) -> None:
+    """The current attempt's agent answered: move on to the next step, retry, or escalate."""
+    index, current = in_progress(builder.state)
+    charged = min(result.calls, current.calls_allowed)
+    if result.ok:
+        builder.emit(StepSucceeded, step=current.name, attempt_id=current.attempt_id,
+                     output=result.output or {}, calls=charged)
+    else:
+        error = result.error or "the agent reported a failure without detail"
+        builder.emit(StepFailed, step=current.name, attempt_id=current.attempt_id, error=error,
+                     permanent=result.permanent, calls=charged, failure_count=current.failure_count + 1)
+    alert_overspend(builder, current.name, current.attempt_id, result.calls, current.calls_allowed)
+    if result.ok:
+        if index + 1 < len(workflow.steps):
+            start_attempt(builder, workflow, index + 1)
+        else:
+            outputs = {step.name: step.output for step in builder.state.steps}
+            builder.emit(TaskCompleted, output=outputs)
+    elif result.permanent:
+        _escalate(builder, workflow, current.name, f"permanent failure of step {current.name!r}: {error}")
+    else:
+        _retry_or_escalate(builder, workflow, index)
+
+
+def on_timeout(builder: Builder, workflow: Workflow, recover: RecoverStep) -> None:
+    """The current attempt's deadline passed: it failed transiently, having spent its whole allowance.
+
+    Charging the full allowance is the only safe assumption about an attempt that never answered: it may
+    have made every call it was allowed, and the step's end-to-end budget must hold regardless.
+    """
+    index, current = in_progress(builder.state)
+    builder.emit(
+        StepFailed,
+        step=current.name,
+        attempt_id=current.attempt_id,
+        error=expiry(current.attempt_id, current.lease, recover),
+        permanent=False,
+        timed_out=True,
+        calls=current.calls_allowed,
+        failure_count=current.failure_count + 1,
+    )
+    _retry_or_escalate(builder, workflow, index)
+
+
+def _retry_or_escalate(builder: Builder, workflow: Workflow, index: int) -> None:
+    """Below the workflow's failure threshold, a transiently failed step gets another attempt."""
+    step = builder.state.steps[index]
+    if step.failure_count >= workflow.failure_threshold:
+        _escalate(
+            builder,
+            workflow,
+            step.name,
+            f"failure threshold reached: {step.failure_count} failed attempts of step {step.name!r} "
+            f"(threshold {workflow.failure_threshold})",
+        )
+    else:
+        start_attempt(builder, workflow, index)
+
+
+def start_attempt(builder: Builder, workflow: Workflow, index: int) -> None:
+    """Hand the next attempt of step ``index`` to its agent, granting what is left of the step's budget.
+
+    An attempt with nothing left to spend could only fail, so the step escalates instead.
+    """
+    step = workflow.steps[index]
+    steps = builder.state.steps
+    prior = steps[index] if index < len(steps) else StepState(step.name)
+    allowed = min(step.calls_per_attempt, step.attempt_budget - prior.calls_used)
+    if allowed <= 0:
+        _escalate(
+            builder,
+            workflow,
+            step.name,
+            f"attempt budget exhausted: step {step.name!r} used {prior.calls_used} of its "
+            f"{step.attempt_budget} calls",
+        )
+        return
+    attempt = prior.attempt + 1
+    start_by = builder.now + timedelta(seconds=step.queue_timeout_s)
+    builder.emit(
+        StepStarted,
+        step=step.name,
+        step_index=index,
+        attempt=attempt,
+        attempt_id=attempt_id(builder.state.task_id, step.name, attempt),
+        start_by=start_by,
+        complete_by=start_by + timedelta(seconds=step.timeout_s),
+        calls_allowed=allowed,
+    )
+
+
+def _escalate(builder: Builder, workflow: Workflow, step: str, reason: str) -> None:
+    """Give up on a step: the one place that decides what that does to its task.
+
+    Every path that stops retrying comes here. The workflow's policy chooses: ``error`` stops the task
+    with an operator alert (an operator may resubmit the step or order compensation); ``compensate``
+    undoes the completed steps at once, and alerts only if that fails.
+    """
+    if workflow.escalation == "compensate":
+        begin_compensation(builder, workflow, "escalation", reason, step=step)
+        return
+    builder.emit(TaskFailed, step=step, reason=reason)
+    builder.emit(OperatorAlert, step=step, reason=reason)

@@ -1,0 +1,105 @@
+"""Operator commands: resubmit a failed step, retry a failed undo, compensate a task in error, cancel one.
+
+Each is checked against the task's state first; a refusal is recorded on the task where operators look,
+and a repeated command (same id) changes nothing.
+"""
+
+from __future__ import annotations
+
+from scheduler.decider.attempts import in_progress
+from scheduler.decider.compensation import begin_compensation, start_compensation_attempt
+from scheduler.decider.decision import Builder, Decision
+from scheduler.decider.forward import start_attempt
+from scheduler.decider.state import StepStatus, TaskState
+from scheduler.workflow import WorkflowNotFoundError, WorkflowRegistry
+from schemas.messages import CompensationRetried, OperatorCommand, OperatorCommandRefused, StepFailed, StepResubmitted
+
+
+def on_operator(builder: Builder, command: OperatorCommand, registry: WorkflowRegistry) -> Decision:
+    """Apply an operator's command, or record why the task's state refuses it. A repeat changes nothing."""
+    state = builder.state
+    if command.command_id in state.commands:
+        return Decision(())
+    refusal, index = _check_operator(state, command)
+    if refusal is not None:
+        builder.emit(OperatorCommandRefused, command_id=command.command_id, action=command.action,
+                     step=command.step, operator=command.operator, reason=refusal)
+        return builder.decision()
+    try:
+        workflow = registry.get(state.workflow, state.workflow_version)
+    except WorkflowNotFoundError as exc:
+        return Decision((), dead_letter=f"unknown workflow {state.workflow!r} v{state.workflow_version}: {exc}")
+    who = f"operator {command.operator}" if command.operator else "an operator"
+    match command.action:
+        case "resubmit":
+            assert index is not None
+            builder.emit(StepResubmitted, step=state.steps[index].name, command_id=command.command_id,
+                         operator=command.operator)
+            start_attempt(builder, workflow, index)
+        case "retry-compensation":
+            assert index is not None
+            builder.emit(CompensationRetried, step=state.steps[index].name, command_id=command.command_id,
+                         operator=command.operator)
+            start_compensation_attempt(builder, workflow, index)
+        case "compensate":
+            begin_compensation(builder, workflow, "operator",
+                                f"compensation ordered by {who} (command {command.command_id})", command=command)
+        case "cancel":
+            if state.current_step is not None:
+                _abandon(builder, command)
+            begin_compensation(builder, workflow, "cancel",
+                                f"task cancelled by {who} (command {command.command_id})", command=command)
+    return builder.decision()
+
+
+def _abandon(builder: Builder, command: OperatorCommand) -> None:
+    """End the attempt in flight of a cancelled task; its agent's late answer will name a stale attempt.
+
+    Charged its whole allowance, like a timeout: how many calls it made is unknown.
+    """
+    _index, current = in_progress(builder.state)
+    builder.emit(
+        StepFailed,
+        step=current.name,
+        attempt_id=current.attempt_id,
+        error=f"attempt {current.attempt_id} abandoned: task cancelled (command {command.command_id})",
+        permanent=False,
+        calls=current.calls_allowed,
+        failure_count=current.failure_count + 1,
+    )
+
+
+def _check_operator(state: TaskState, command: OperatorCommand) -> tuple[str | None, int | None]:
+    """Why the state refuses ``command`` (None: it does not), and the index of the step it acts on."""
+    status = state.status
+    action = command.action
+    doing = ""
+    if state.current_step is not None:
+        current = state.steps[state.current_step]
+        doing = f" (step {current.name!r} is {current.status}, attempt {current.lock})"
+    if action in ("compensate", "cancel"):
+        if command.step is not None:
+            return f"{action} acts on the whole task: it takes no step", None
+        if action == "compensate" and status != "error":
+            return (f"task is {status}{doing}: only a task in error can be compensated "
+                    "(cancel a running task; retry-compensation after compensation_failed)"), None
+        if action == "cancel" and status not in ("accepted", "running"):
+            return f"task is {status}: only a running task can be cancelled", None
+        return None, None
+    wanted: StepStatus = "failed" if action == "resubmit" else "compensation_failed"
+    needed = "error" if action == "resubmit" else "compensation_failed"
+    if status != needed:
+        return f"task is {status}{doing}: {action} needs a task in {needed}", None
+    names = [step.name for step in state.steps]
+    if command.step is None:
+        index = next((i for i, step in enumerate(state.steps) if step.status == wanted), None)
+        if index is None:
+            return f"task has no step in {wanted}", None
+    elif command.step in names:
+        index = names.index(command.step)
+    else:
+        return f"task has no step {command.step!r} that ran (steps: {', '.join(names)})", None
+    step = state.steps[index]
+    if step.status != wanted:
+        return f"step {step.name!r} is {step.status}: {action} needs a step in {wanted}", None
+    return None, index

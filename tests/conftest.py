@@ -39,7 +39,7 @@ def _no_broker_unless_marked(request: pytest.FixtureRequest, monkeypatch: pytest
         def refuse(_broker: LocalBroker) -> BrokerInfo:
             raise AssertionError(f"{request.node.nodeid} starts a Kafka broker: mark it kafka")
 
-        monkeypatch.setattr(LocalBroker, "start", refuse)
+        monkeypatch.setattr(LocalBroker, "launch", refuse)  # start() and a cluster's nodes both launch
 
 
 def _docker_answers() -> bool:

@@ -102,6 +102,11 @@ class TopicLayout:
         """A fresh group per reader of the reply topic: each reads it from the start, none commits."""
         return f"{self.submitter_groups(submitter)}{uuid.uuid4().hex[:8]}"
 
+    def watcher_group(self) -> str:
+        """A fresh group per API process tailing ``events`` for decisions: it assigns, never commits, and
+        carries the prefix so one prefixed ACL covers it."""
+        return f"{self.prefix}api-watch-{uuid.uuid4().hex}"
+
     def agent_spec(self, name: str) -> TopicSpec:
         return TopicSpec(self.agent(name), self.partitions)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -50,8 +49,10 @@ def test_tasks_let_through_count_until_the_store_shows_them_so_a_burst_cannot_ov
 
 
 def test_a_task_let_through_but_never_seen_is_forgotten_after_a_while(store: SqliteStore) -> None:
-    admission = GlobalAdmission(store, None, LAYOUT, bound=1, refresh_s=0, forget_after_s=0.05)
+    now = [100.0]
+    admission = GlobalAdmission(store, None, LAYOUT, bound=1, refresh_s=0, forget_after_s=300, clock=lambda: now[0])
     assert admission.refuse("lost") is None
-    assert admission.refuse("next") is not None
-    time.sleep(0.1)
-    assert admission.refuse("next") is None
+    now[0] += 299
+    assert admission.refuse("next") is not None, "still counted within forget_after_s"
+    now[0] += 2
+    assert admission.refuse("next") is None, "forgotten past it"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import structlog
 
@@ -29,8 +30,10 @@ class GlobalAdmission:
     """
 
     def __init__(self, store: Store, lag: LagReader | None, layout: TopicLayout, bound: int,
-                 refresh_s: float = 1.0, forget_after_s: float = 300.0) -> None:
+                 refresh_s: float = 1.0, forget_after_s: float = 300.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.store = store
+        self._clock = clock
         self.lag = lag
         self.layout = layout
         self.bound = bound
@@ -44,7 +47,7 @@ class GlobalAdmission:
     def refuse(self, task_id: str) -> str | None:
         """Why a submission must wait (None: it is let through, and counted until the store shows it)."""
         with self._lock:
-            now = time.monotonic()
+            now = self._clock()
             if now - self._read_at >= self.refresh_s:
                 self._measured = self._measure(now)
                 self._read_at = now
@@ -68,7 +71,7 @@ class GlobalAdmission:
         if self.lag is not None:
             try:
                 backlog = sum(row.lag for row in self.lag.groups()
-                              if row.group == f"{self.layout.prefix}scheduler" and row.topic == self.layout.inbox)
+                              if row.group == self.layout.scheduler_group and row.topic == self.layout.inbox)
             except Exception as exc:  # the broker is not answering: producing will tell, the store still counts
                 log.warning("inbox backlog not measured", error=repr(exc))
         return live + backlog

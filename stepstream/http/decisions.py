@@ -19,7 +19,7 @@ from eventstore.errors import InfrastructureError
 from eventstore.kafka_config import connection_config, consume_available
 from schemas.codec import default_codec
 from schemas.errors import DecodeError
-from schemas.messages import Event, new_id
+from schemas.messages import Event
 
 log = structlog.get_logger("stepstream.api")
 
@@ -38,10 +38,10 @@ class DecisionWatcher:
     only at the first fetch): every event of a command produced after ``start()`` returns is seen.
     """
 
-    def __init__(self, bootstrap: str, topic: str, group_prefix: str = "") -> None:
-        """``group_prefix``: the deployment's topic prefix, so one prefixed ACL covers the (unused) group."""
+    def __init__(self, bootstrap: str, topic: str, group: str) -> None:
+        """``group``: ``TopicLayout.watcher_group()``, a fresh one under the deployment's prefix."""
         self.topic = topic
-        self._consumer = Consumer({**connection_config(bootstrap), "group.id": f"{group_prefix}api-watch-{new_id()}",
+        self._consumer = Consumer({**connection_config(bootstrap), "group.id": group,
                                    "enable.auto.commit": False, "isolation.level": "read_committed"})
         self._waiters: dict[str, list[_Waiter]] = {}
         self._lock = threading.Lock()

@@ -88,7 +88,7 @@ class TaskWriter:
         # for that one message, so lingering to batch would only add its 5 ms to every answer.
         self._producer = Producer(producer_config(bootstrap, **{"delivery.report.only.error": False,
                                                                 "linger.ms": 0}))
-        self.watcher = DecisionWatcher(bootstrap, layout.events, layout.prefix)
+        self.watcher = DecisionWatcher(bootstrap, layout.events, layout.watcher_group())
         self.watcher.start()
         self._closed = threading.Event()
         self._poller = threading.Thread(target=self._serve_deliveries, name="delivery-reports", daemon=True)

@@ -89,9 +89,7 @@ def test_up_with_a_metrics_port_gives_each_service_its_own_with_health_probes_an
     home = tmp_path / ".stepstream"
     env = {**test_env, "STEPSTREAM_HOME": str(home), "STEPSTREAM_API_PORT": "0", "STEPSTREAM_METRICS_PORT": "0"}
     output = tmp_path / "up.out"
-    with output.open("wb") as out:
-        up = subprocess.Popen([sys.executable, "-m", "stepstream", "up"], env=env, cwd=tmp_path,
-                              stdout=out, stderr=subprocess.STDOUT)
+    up = start_up(env, tmp_path, output)
     try:
         state = wait_until_up(home, up, timeout_s=150)
         ports = state["metrics_ports"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from demo.workflows import OrderInput
 from scheduler.workflow import Compensation, Step, Workflow, WorkflowRegistry
@@ -84,6 +85,12 @@ def _compensated_order_steps(charge_budget: int = 8) -> tuple[Step, ...]:
     )
 
 
+def _with_undo(steps: tuple[Step, ...], only: str | None = None, **changes: Any) -> tuple[Step, ...]:
+    """``steps`` with ``changes`` made to the compensation of each step (or of step ``only``)."""
+    return tuple(step if step.compensation is None or only not in (None, step.name)
+                 else replace(step, compensation=replace(step.compensation, **changes)) for step in steps)
+
+
 # A step that gives up undoes the completed ones at once.
 ORDERS_COMP = Workflow(name="orders-comp", version=1, steps=_compensated_order_steps(), failure_threshold=2,
                        escalation="compensate")
@@ -115,9 +122,7 @@ ORDERS_CHAOS = Workflow(name="orders-chaos", version=1, steps=_compensated_order
 ORDERS_COMP_QUICK_START = Workflow(
     name="orders-comp-quick-start",
     version=1,
-    steps=tuple(step if step.compensation is None else replace(step, compensation=replace(step.compensation,
-                                                                                          queue_timeout_s=2.0))
-                for step in _compensated_order_steps()),
+    steps=_with_undo(_compensated_order_steps(), queue_timeout_s=2.0),
     failure_threshold=2,
     escalation="compensate",
 )
@@ -127,8 +132,7 @@ ORDERS_COMP_QUICK_START = Workflow(
 ORDERS_UNFENCED = Workflow(
     name="orders-unfenced",
     version=1,
-    steps=tuple(step if step.name != "charge" or step.compensation is None else replace(
-        step, compensation=replace(step.compensation, forward_may_land_s=2.0)) for step in _compensated_order_steps()),
+    steps=_with_undo(_compensated_order_steps(), only="charge", forward_may_land_s=2.0),
     failure_threshold=1,
     escalation="compensate",
 )

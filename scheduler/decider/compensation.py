@@ -70,8 +70,9 @@ def start_compensation_attempt(builder: Builder, workflow: Workflow, index: int)
         )
         return
     attempt = prior.attempt + 1
-    not_before = _forward_landed_by(builder.state.steps[index], compensation)
-    start_by = max(builder.now, not_before or builder.now) + timedelta(seconds=compensation.queue_timeout_s)
+    landed_by = _forward_landed_by(builder.state.steps[index], compensation)
+    not_before = landed_by if landed_by is not None and landed_by > builder.now else None
+    start_by = (not_before or builder.now) + timedelta(seconds=compensation.queue_timeout_s)
     builder.emit(
         StepCompensationStarted,
         step=spec.name,
@@ -81,7 +82,7 @@ def start_compensation_attempt(builder: Builder, workflow: Workflow, index: int)
         start_by=start_by,
         complete_by=start_by + timedelta(seconds=compensation.timeout_s),
         calls_allowed=allowed,
-        not_before=not_before if not_before is not None and not_before > builder.now else None,
+        not_before=not_before,
     )
 
 

@@ -8,12 +8,13 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from confluent_kafka import Consumer, KafkaError, Message, Producer
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer
 from confluent_kafka.admin import AdminClient, ConfigResource
 
 from eventstore.cluster import LocalCluster
 from eventstore.kafka_config import producer_config
 from eventstore.topics import TopicSpec, ensure_topics
+from tests.kafka_helpers import wait_for
 
 pytestmark = pytest.mark.kafka
 
@@ -52,6 +53,15 @@ def read_all(bootstrap: str, topic: str, expected: int) -> Counter[str]:
     return seen
 
 
+def topic_config(admin: AdminClient, topic: str) -> dict[str, str] | None:
+    """The topic's configuration, or None while the broker asked has not learnt of the topic yet."""
+    (future,) = admin.describe_configs([ConfigResource("topic", topic)]).values()
+    try:
+        return {name: entry.value for name, entry in future.result(timeout=30).items()}
+    except KafkaException:
+        return None
+
+
 def test_a_sigkilled_broker_of_three_loses_no_acknowledged_record_and_writes_go_on(tmp_path: Path) -> None:
     cluster = LocalCluster(tmp_path, nodes=3)
     cluster.start()
@@ -61,8 +71,9 @@ def test_a_sigkilled_broker_of_three_loses_no_acknowledged_record_and_writes_go_
         ensure_topics(admin, [TopicSpec("orders", 3)], replication_factor=3)
         partitions = admin.list_topics("orders", timeout=30).topics["orders"].partitions
         assert all(len(p.replicas) == 3 for p in partitions.values()), "three copies of every partition"
-        (config,) = admin.describe_configs([ConfigResource("topic", "orders")]).values()
-        assert config.result(timeout=30)["min.insync.replicas"].value == "2"
+        assert wait_for(lambda: topic_config(admin, "orders") is not None, timeout_s=30), \
+            "every broker learns of the new topic"
+        assert (topic_config(admin, "orders") or {})["min.insync.replicas"] == "2"
 
         assert produce(bootstrap, "orders", range(0, 300)) == []
         cluster.node(2).kill()

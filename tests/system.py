@@ -125,7 +125,8 @@ class System:
         deadline = time.monotonic() + timeout_s
         statuses: dict[str, str] = {}
         while time.monotonic() < deadline:
-            statuses = {t: (self.task(t) or {}).get("status", "unknown") for t in ids}
+            known = self.statuses()
+            statuses = {t: known.get(t, "unknown") for t in ids}
             if all(s in TERMINAL for s in statuses.values()):
                 return statuses
             time.sleep(0.2)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -43,6 +44,8 @@ _POM = f"""<project xmlns="http://maven.apache.org/POM/4.0.0">
   <dependencies>
     <dependency><groupId>org.apache.kafka</groupId><artifactId>kafka_2.13</artifactId>
       <version>{KAFKA_VERSION}</version></dependency>
+    <dependency><groupId>org.apache.kafka</groupId><artifactId>kafka-tools</artifactId>
+      <version>{KAFKA_VERSION}</version></dependency>
     <dependency><groupId>org.slf4j</groupId><artifactId>slf4j-api</artifactId>
       <version>{SLF4J_VERSION}</version></dependency>
     <dependency><groupId>org.apache.logging.log4j</groupId><artifactId>log4j-slf4j2-impl</artifactId>
@@ -52,6 +55,9 @@ _POM = f"""<project xmlns="http://maven.apache.org/POM/4.0.0">
   </dependencies>
 </project>
 """
+
+_JARS_ID = hashlib.sha256(_POM.encode()).hexdigest()[:16]
+"""What the cache's stamp holds: a cache fetched for another list of jars is fetched again."""
 
 _LOG4J2 = """status = warn
 appender.file.type = File
@@ -81,7 +87,7 @@ def fetch_jars() -> Path:
     cache = jar_cache_dir()
     libs = cache / "libs"
     stamp = cache / ".complete"
-    if stamp.exists():
+    if stamp.exists() and stamp.read_text() == _JARS_ID:
         return libs
     if shutil.which("mvn") is None:
         raise BrokerError("Maven (mvn) is needed to fetch the Kafka jars; install it, or use Docker")
@@ -101,8 +107,18 @@ def fetch_jars() -> Path:
         stale.unlink()
     shutil.rmtree(libs, ignore_errors=True)
     staging.rename(libs)
-    stamp.write_text(KAFKA_VERSION)
+    stamp.write_text(_JARS_ID)
     return libs
+
+
+def run_kafka_tool(main_class: str, *args: str, timeout_s: float = 120.0) -> str:
+    """Run one of Kafka's own command-line tools (``org.apache.kafka.tools...``) from the same jars as the
+    broker and return what it printed: the yardstick our own figures (consumer lag) are checked against."""
+    result = subprocess.run(["java", "-Xmx256m", "-cp", f"{fetch_jars()}/*", main_class, *args],
+                            capture_output=True, text=True, timeout=timeout_s, check=False)
+    if result.returncode != 0:
+        raise BrokerError(f"{main_class} {' '.join(args)} failed:\n{result.stdout}\n{result.stderr}")
+    return result.stdout
 
 
 def free_port() -> int:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram
 
 CONSUMER_LAG = Gauge(
-    "stepstream_consumer_lag", "Messages between the consumer's position and the high watermark",
+    "stepstream_consumer_lag", "Messages between this consumer's fetch position and the high watermark (a "
+    "debugging aid; alert on stepstream_group_lag, which counts from the committed offset)",
     ["group", "topic", "partition"],
 )
 MESSAGES_PROCESSED = Counter(

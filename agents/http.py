@@ -14,6 +14,7 @@ import httpx
 
 from agents.faults import TransientError, classify_response
 from agents.runtime import AgentHandler, Call
+from eventstore.tracing import current_headers
 
 
 def request_body(step_input: dict[str, Any]) -> dict[str, Any]:
@@ -27,8 +28,9 @@ def request_body(step_input: dict[str, Any]) -> dict[str, Any]:
 
 
 def request_headers(call: Call) -> dict[str, str]:
-    """The idempotency key and fencing token of every call; an undo also names the forward key it fences."""
-    headers = {"Idempotency-Key": call.idempotency_key, "X-Attempt": str(call.attempt)}
+    """The idempotency key and fencing token of every call; an undo also names the forward key it fences.
+    The call's span rides along (``traceparent``) so the service's span joins the task's trace."""
+    headers = {"Idempotency-Key": call.idempotency_key, "X-Attempt": str(call.attempt), **current_headers()}
     request = call.request
     if request.undoes_key is not None:
         headers["X-Undoes-Key"] = request.undoes_key

@@ -27,6 +27,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import structlog
+from opentelemetry.trace import SpanKind, StatusCode
 from prometheus_client import Counter, Histogram
 
 from agents.breaker import BreakerState
@@ -42,10 +43,11 @@ from agents.policy import AgentPolicy, DependencyPolicy, PolicyProvider, StaticP
 from agents.retry import RetryPolicy
 from eventstore.errors import PoisonMessageError
 from eventstore.keyed import KeyedConsumerRuntime
-from eventstore.producer import EventProducer
+from eventstore.producer import EventProducer, Headers
 from eventstore.runtime import Record
 from eventstore.settings import ConsumerSettings, KafkaSettings
 from eventstore.topics import TopicLayout
+from eventstore.tracing import headers_of, span_for, tracer
 from schemas.avro import utc_millis
 from schemas.messages import AgentRequest, AttemptAccepted, StepResult
 
@@ -198,16 +200,19 @@ class Agent:
                 guard.first_call()
             call_started = self._monotonic()
             fault: TransientError | PermanentError | None = None
-            try:
-                output = self.handler(Call(request, min(policy.retry.call_timeout_s, remaining)))
-            except Exception as exc:
-                fault = classify(exc)
-            except BaseException:
-                guard.breaker.release()
-                raise
-            finally:
-                call_s = self._monotonic() - call_started
-                CALL_SECONDS.labels(self.name, dep).observe(call_s)
+            with tracer.start_as_current_span(f"call {dep}", kind=SpanKind.CLIENT,
+                                              attributes={"stepstream.call": calls}) as span:
+                try:
+                    output = self.handler(Call(request, min(policy.retry.call_timeout_s, remaining)))
+                except Exception as exc:
+                    fault = classify(exc)
+                    span.set_status(StatusCode.ERROR, f"{fault.kind}: {fault}")
+                except BaseException:
+                    guard.breaker.release()
+                    raise
+                finally:
+                    call_s = self._monotonic() - call_started
+                    CALL_SECONDS.labels(self.name, dep).observe(call_s)
 
             if fault is None or isinstance(fault, PermanentError) or fault.status is not None:
                 guard.answered_in(call_s)  # the service answered: a timeout or a dropped connection says nothing
@@ -256,18 +261,23 @@ class Agent:
         request = record.message
         if not isinstance(request, AgentRequest):
             raise PoisonMessageError(f"{type(request).__name__} is not an agent request")
+        with span_for(request.task_id, f"agent {self.name}", record.headers, kind=SpanKind.CONSUMER,
+                      **{"stepstream.step": request.step, "stepstream.attempt_id": request.attempt_id}) as span:
+            self._handle(request, output, inbox, headers_of(span.get_span_context()))
+
+    def _handle(self, request: AgentRequest, output: EventProducer, inbox: str, headers: Headers) -> None:
         if request.not_before is not None:
             self._wait_until(request)
         accepted_at = utc_millis(self._now())
         if request.start_by is not None:
             if accepted_at > request.start_by:
-                output.send(inbox, self._unstarted(request, accepted_at))
+                output.send(inbox, self._unstarted(request, accepted_at), headers=headers)
                 return
             QUEUE_WAIT_SECONDS.labels(self.name).observe(max(0.0, (accepted_at - request.occurred_at).total_seconds()))
             output.send(inbox, AttemptAccepted(task_id=request.task_id, step=request.step,
                                                attempt_id=request.attempt_id, compensation=request.compensation,
-                                               accepted_at=accepted_at))
-        output.send(inbox, self.execute(request, accepted_at))
+                                               accepted_at=accepted_at), headers=headers)
+        output.send(inbox, self.execute(request, accepted_at), headers=headers)
 
     def _wait_until(self, request: AgentRequest) -> None:
         """Hold an undo until its ``not_before``: the forward call it undoes may land until then at a service

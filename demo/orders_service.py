@@ -77,6 +77,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from eventstore.tracing import configure_tracing
+
 log = logging.getLogger("stepstream.orders_service")
 
 Operation = Literal[
@@ -802,6 +804,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper())
+    configure_tracing("orders-service")  # FastAPI continues each caller's traceparent in a server span
     app = create_app(seed=args.seed, state_file=args.state_file)
     config = uvicorn.Config(
         app,

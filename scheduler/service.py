@@ -33,6 +33,7 @@ from eventstore.replay import ReplayReader
 from eventstore.runtime import ConsumerRuntime, Record
 from eventstore.settings import ConsumerSettings, KafkaSettings
 from eventstore.topics import TopicLayout, TopicSpec, ensure_topics
+from eventstore.tracing import attempt_span, headers_of, span_for
 from scheduler.decider import (
     Limits,
     TaskState,
@@ -42,6 +43,7 @@ from scheduler.decider import (
     idempotency_key,
 )
 from scheduler.sealing import EventSealer
+from scheduler.traces import record_spans
 from scheduler.workflow import WorkflowRegistry
 from schemas.messages import (
     AgentRequest,
@@ -113,12 +115,14 @@ class Scheduler:
         tasks = self._tasks.setdefault(record.partition, {})
         state = tasks.get(command.task_id)
         was_live = state is not None and not state.is_terminal
-        decision = decide(command, state, registry=self.registry, now=datetime.now(UTC),
-                          in_flight=self.in_flight(record.partition), limits=self.limits)
-        for event in decision.events:
-            state = evolve(state, event)
-            output.send(self.layout.events, self.sealer.seal(event), partition=record.partition)
-            self._effects(event, state, command, output)
+        with span_for(command.task_id, f"scheduler {type(command).__name__}", record.headers):
+            decision = decide(command, state, registry=self.registry, now=datetime.now(UTC),
+                              in_flight=self.in_flight(record.partition), limits=self.limits)
+            for event in decision.events:
+                before, state = state, evolve(state, event)
+                output.send(self.layout.events, self.sealer.seal(event), partition=record.partition)
+                self._effects(event, state, command, output)
+                record_spans(event, before)
         if state is not None:
             tasks[command.task_id] = state
             live = self._live.get(record.partition, 0) + (not state.is_terminal) - was_live
@@ -169,7 +173,7 @@ class Scheduler:
             undoes_key=undoes_key, undoes_attempt=undoes_attempt, start_by=event.start_by, timeout_s=timeout_s,
             compensation=isinstance(event, StepCompensationStarted),
             not_before=event.not_before if isinstance(event, StepCompensationStarted) else None,
-        ))
+        ), headers=headers_of(attempt_span(state.task_id, event.attempt_id)))
 
     def _reply_topic(self, state: TaskState, command: Message) -> str | None:
         """A submitter's private topic. Only names under this deployment's status prefix are served."""

@@ -12,6 +12,7 @@ from eventstore.health import HEALTH, serve_health
 from eventstore.logs import configure_logging
 from eventstore.settings import ConsumerSettings, KafkaSettings, ObservabilitySettings
 from eventstore.shutdown import GracefulShutdown
+from eventstore.tracing import configure_tracing
 
 if TYPE_CHECKING:
     from agents.policy import FilePolicy
@@ -23,6 +24,7 @@ def _prepare(service: str) -> tuple[KafkaSettings, ConsumerSettings, threading.E
     threading.Thread(target=_unready_on, args=(stop,), name="readiness", daemon=True).start()
     observability = ObservabilitySettings()
     configure_logging(observability.log_level, observability.log_json)
+    configure_tracing(service)
     if observability.metrics_port is not None:
         serve_health(observability.metrics_port)
     # From this line on, SIGTERM drains the service (the start-up scripts and tests wait for it).

@@ -117,7 +117,7 @@ def system(bootstrap: str, layout: TopicLayout, test_env: dict[str, str], tmp_pa
     from demo.orders_client import ServiceProcess
     from tests.system import System
 
-    with ServiceProcess(log_path=tmp_path / "orders-service.log") as service:
+    with ServiceProcess(log_path=tmp_path / "orders-service.log", env=test_env) as service:
         system = System(bootstrap, layout, test_env, tmp_path, service)
         try:
             yield system

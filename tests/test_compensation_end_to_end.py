@@ -306,13 +306,18 @@ def test_an_operator_cancels_a_running_task_and_commands_its_state_forbids_are_r
     assert saga.task("busy") is not None and (saga.task("busy") or {})["status"] == "compensated"
 
 
+def one_done_one_undone(system: System, done: str, undone: str) -> None:
+    """Start everything; ``done`` completes, then shipping refuses for good and ``undone`` is undone."""
+    start(system)
+    system.submit(done, workflow="orders-comp")
+    assert system.wait_terminal([done]) == {done: "completed"}
+    system.admin.set_faults("shipping/create", permanent_error_rate=1.0)
+    system.submit(undone, workflow="orders-comp")
+    assert system.wait_terminal([undone]) == {undone: "compensated"}
+
+
 def test_a_sensitive_field_never_appears_in_clear_on_the_events_topic(saga: System) -> None:
-    start(saga)
-    saga.submit("secret-done", workflow="orders-comp")
-    assert saga.wait_terminal(["secret-done"]) == {"secret-done": "completed"}
-    saga.admin.set_faults("shipping/create", permanent_error_rate=1.0)
-    saga.submit("secret-undone", workflow="orders-comp")
-    assert saga.wait_terminal(["secret-undone"]) == {"secret-undone": "compensated"}
+    one_done_one_undone(saga, "secret-done", "secret-undone")
 
     charges = {task: next(iter(saga.admin.records(task)["charges"])) for task in ("secret-done", "secret-undone")}
     assert all(charge_id.startswith("ch-") for charge_id in charges.values())

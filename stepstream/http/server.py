@@ -18,6 +18,7 @@ from eventstore.logs import configure_logging
 from eventstore.settings import ConsumerSettings, KafkaSettings, ObservabilitySettings
 from eventstore.shutdown import GracefulShutdown
 from eventstore.topics import TopicLayout
+from eventstore.tracing import configure_tracing
 from projections.commands import UsageError
 from projections.settings import StoreSettings
 from stepstream.http.settings import ApiSettings
@@ -41,6 +42,7 @@ def serve_api(*, host: str | None, port: int | None) -> int:
     settings = ApiSettings()
     observability = ObservabilitySettings()
     configure_logging(observability.log_level, observability.log_json)
+    configure_tracing("api")  # FastAPI then traces each request
     structlog.get_logger("stepstream.api").info("service starting", service="api")
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -16,6 +16,7 @@ import structlog
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from eventstore.errors import InfrastructureError
+from eventstore.health import HEALTH
 from eventstore.kafka_config import connection_config, consume_available
 from schemas.codec import default_codec
 from schemas.errors import DecodeError
@@ -98,6 +99,7 @@ class DecisionWatcher:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            HEALTH.beat()  # the API's /livez: a watcher that stopped turning leaves every --wait hanging
             for record in consume_available(self._consumer, 500, 0.2):  # each answer as soon as it is there
                 if record.error() is not None:
                     if record.error().code() != KafkaError._PARTITION_EOF:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from eventstore.errors import KafkaUnreachable
+from eventstore.health import HEALTH
 from eventstore.logs import configure_logging
 from eventstore.settings import ConsumerSettings, KafkaSettings, ObservabilitySettings
 from eventstore.shutdown import GracefulShutdown
@@ -35,6 +36,7 @@ def serve_api(*, host: str | None, port: int | None) -> int:
 
     from projections.lag import LagReader
     from stepstream.http.app import create_app
+    from stepstream.http.probes import probes_router
     from stepstream.http.writes import write_router
 
     # Armed before anything connects, as in every service: a SIGTERM during start-up is a stop, not a kill.
@@ -71,7 +73,8 @@ def serve_api(*, host: str | None, port: int | None) -> int:
         bound_host, bound_port = listener.getsockname()[:2]
         print(f"api listening on http://{bound_host}:{bound_port} (store {store.describe()})", file=sys.stderr,
               flush=True)
-        app = create_app(store, layout, lag, [write_router(writer, settings)])
+        probes = probes_router(store, layout.events, stop, HEALTH if writer is not None else None)
+        app = create_app(store, layout, lag, [write_router(writer, settings), probes])
         server = _draining_server_class()(uvicorn.Config(app, log_level="warning", access_log=False))
         # uvicorn installs its own handlers when it runs; a signal that came before that stops it all the same.
 

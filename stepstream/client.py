@@ -30,12 +30,13 @@ from eventstore.settings import KafkaSettings
 from eventstore.topics import TopicLayout, TopicSpec, ensure_topics
 from projections.settings import StoreSettings
 from projections.store import SqliteStore, Store
-from scheduler.decider import TERMINAL, input_digest
+from scheduler.decider import input_digest
 from scheduler.settings import SchedulerSettings
 from scheduler.workflow import WorkflowNotFoundError, WorkflowRegistry
 from schemas.codec import default_codec
 from schemas.errors import DecodeError
 from schemas.messages import OperatorAction, OperatorCommand, StatusUpdate, SubmitTask, new_id
+from schemas.states import TERMINAL, TaskStatus
 
 
 class InvalidSubmission(StepstreamError, ValueError):
@@ -144,11 +145,11 @@ class Client:
             task = self.status(task_id)
             if task is not None:
                 self._raise_if_contradicted(task_id)
-            if task is not None and task["status"] == "rejected" and \
+            if task is not None and task["status"] == TaskStatus.REJECTED and \
                     task["sequence"] <= self._seen_at_submit.get(task_id, -1):
                 task = None  # the rejection of an earlier submission: this one is not decided yet
             if task is not None and task["status"] in TERMINAL:
-                if task["status"] == "rejected":
+                if task["status"] == TaskStatus.REJECTED:
                     raise SubmissionRejected(f"task {task_id} was rejected: {task.get('error')}")
                 return task
             if time.monotonic() >= deadline:

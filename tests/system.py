@@ -17,8 +17,8 @@ from demo.orders_client import OrdersAdmin, ServiceProcess
 from eventstore.producer import EventProducer
 from eventstore.replay import ReplayReader
 from eventstore.topics import TopicLayout
-from scheduler.decider import TERMINAL
 from schemas.messages import Event, SubmitTask
+from schemas.states import TERMINAL
 from stepstream.processes import ServiceProcesses
 from tests.kafka_helpers import wait_for
 

@@ -107,7 +107,7 @@ from schemas.messages import (
     TaskRejected,
 )
 from schemas.states import TERMINAL
-from stepstream.processes import ServiceProcesses, child_env
+from stepstream.local.processes import ServiceProcesses, child_env
 
 ROOT = Path(__file__).resolve().parent.parent
 

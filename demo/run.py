@@ -33,7 +33,7 @@ from projections.settings import StoreSettings
 from schemas.messages import SubmitTask
 from schemas.states import TERMINAL, TaskStatus
 from stepstream.client import Client
-from stepstream.up import refuse_if_up, wait_until_up
+from stepstream.local.up import refuse_if_up, wait_until_up
 
 
 def _orders(run_id: str, count: int) -> list[SubmitTask]:

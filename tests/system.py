@@ -19,7 +19,7 @@ from eventstore.replay import ReplayReader
 from eventstore.topics import TopicLayout
 from schemas.messages import Event, SubmitTask
 from schemas.states import TERMINAL
-from stepstream.processes import ServiceProcesses
+from stepstream.local.processes import ServiceProcesses
 from tests.kafka_helpers import wait_for
 
 AGENTS = ("inventory", "payments", "shipping")

@@ -17,9 +17,9 @@ from projections.store import _FAILED, _IN_PROGRESS, SqliteStore
 from schemas.codec import default_codec
 from schemas.messages import StatusUpdate
 from schemas.states import PROGRESS, TaskStatus
+from stepstream.cli.tasks import TASK_STATES
 from stepstream.http.dashboard import page
 from stepstream.http.reads import read_router
-from stepstream.submit_cli import TASK_STATES
 
 STATES = [status.value for status in TaskStatus]
 

@@ -30,7 +30,7 @@ from schemas.messages import (
     TaskRejected,
 )
 from stepstream.cli import main
-from stepstream.submit_cli import TASK_STATES, TaskFilter, all_tasks
+from stepstream.cli.tasks import TASK_STATES, TaskFilter, all_tasks
 
 START = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)
 TOPIC = "t.events"

@@ -41,12 +41,12 @@ from schemas.messages import (
 )
 from schemas.states import TaskStatus
 from stepstream.client import InvalidSubmission, build_submission, check_submission, same_submission
+from stepstream.client.outcomes import Outcome
 from stepstream.http.admission import GlobalAdmission
 from stepstream.http.bodies import CommandRequest, SubmissionRequest
 from stepstream.http.decisions import DecisionWatcher
 from stepstream.http.errors import invalid
 from stepstream.http.settings import ApiSettings
-from stepstream.operator import Outcome
 
 _EVENT_TYPES: dict[str, type[Event]] = {t.__name__: t for t in MESSAGE_TYPES if issubclass(t, Event)}
 

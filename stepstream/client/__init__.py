@@ -8,6 +8,9 @@ input its workflow's input model refuses.
 
 Task ids are the idempotency key of the whole system: submitting the same task again (a retry after a
 timeout, a crash between a database write and the submit) runs it once.
+
+Beside it in this package: ``outcomes`` (the scheduler's answer to an operator command, read from ``events``)
+and ``outbox`` (submitting in the same transaction as an application's own PostgreSQL write).
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ from eventstore.topics import TopicLayout, TopicSpec
 from schemas.codec import default_codec
 from schemas.messages import SubmitTask, TaskAccepted
 from stepstream.client import Client, build_submission
-from stepstream.processes import ServiceProcesses, child_env
+from stepstream.local.processes import ServiceProcesses, child_env
 
 ROOT = Path(__file__).resolve().parent.parent
 

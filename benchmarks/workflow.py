@@ -93,7 +93,6 @@ from eventstore.producer import EventProducer
 from eventstore.replay import ReplayReader
 from eventstore.settings import ConsumerSettings, KafkaSettings
 from eventstore.topics import TopicLayout, TopicSpec
-from scheduler.decider import TERMINAL
 from schemas.codec import Codec, default_codec
 from schemas.messages import (
     MessageIgnored,
@@ -107,7 +106,8 @@ from schemas.messages import (
     TaskFailed,
     TaskRejected,
 )
-from stepstream.processes import ServiceProcesses, child_env
+from schemas.states import TERMINAL
+from stepstream.local.processes import ServiceProcesses, child_env
 
 ROOT = Path(__file__).resolve().parent.parent
 

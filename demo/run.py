@@ -30,10 +30,10 @@ from demo.orders_client import OrdersAdmin
 from eventstore.console import command_console
 from eventstore.settings import KafkaSettings
 from projections.settings import StoreSettings
-from scheduler.decider import TERMINAL
 from schemas.messages import SubmitTask
+from schemas.states import TERMINAL, TaskStatus
 from stepstream.client import Client
-from stepstream.up import refuse_if_up, wait_until_up
+from stepstream.local.up import refuse_if_up, wait_until_up
 
 
 def _orders(run_id: str, count: int) -> list[SubmitTask]:
@@ -150,7 +150,8 @@ def _print_table(console: Console, ids: list[str], rows: dict[str, dict[str, Any
             table.add_row(task_id, "not seen", "", "", "")
             continue
         attempts = " ".join(f"{s['step']}:{s['attempt']}" for s in row.get("steps") or [])
-        style = {"completed": "green", "compensated": "cyan", "error": "red"}.get(str(row["status"]), "yellow")
+        style = {TaskStatus.COMPLETED: "green", TaskStatus.COMPENSATED: "cyan", TaskStatus.ERROR: "red"}.get(
+            row["status"], "yellow")
         table.add_row(task_id, f"[{style}]{row['status']}[/{style}]", attempts, str(row["failure_count"]),
                       Text(str(row["error"] or "")))
     console.print(table)

@@ -1,7 +1,7 @@
 """Dead letters: the original bytes, untouched, plus headers saying why and where from.
 
 The record model of the DLQ topic lives here, with the headers it reads, so that every reader of that
-topic (the projector, a rebuild, the operators' tools in ``eventstore.dlq_tools``) shares one definition.
+topic (the projector, a rebuild, ``eventstore.dead_letters`` behind the operators' tools) shares one definition.
 """
 
 from __future__ import annotations

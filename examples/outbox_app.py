@@ -24,8 +24,7 @@ from confluent_kafka import KafkaException
 
 from eventstore.errors import InfrastructureError
 from schemas.messages import SubmitTask
-from stepstream import outbox
-from stepstream.client import Client, InvalidSubmission, build_submission
+from stepstream.client import Client, InvalidSubmission, build_submission, outbox
 
 WORKFLOW, WORKFLOW_VERSION = "orders", 1
 

@@ -41,6 +41,7 @@ from schemas.messages import (
     TaskFailed,
     TaskRejected,
 )
+from schemas.states import StepStatus, TaskStatus
 
 
 class Executor(Protocol):
@@ -70,15 +71,15 @@ def project(db: Executor, event: Event) -> None:
     task_update = "update tasks set sequence = ?, updated_at = ? where task_id = ?"
     match event:
         case TaskAccepted() | TaskRejected():
-            status = "accepted" if isinstance(event, TaskAccepted) else "rejected"
+            status = TaskStatus.ACCEPTED if isinstance(event, TaskAccepted) else TaskStatus.REJECTED
             error = event.reason if isinstance(event, TaskRejected) else None
             # A rejected task submitted again is admitted (or rejected) again: its row is updated. Any other
             # existing row makes the insert fail: a second admission is refused like any constraint breach.
             # No row count is read (PostgreSQL pipelines a batch's statements): the insert skips the row the
             # update just made current.
             db.execute("update tasks set status = ?, sequence = ?, updated_at = ?, error = ? "
-                       "where task_id = ? and status = 'rejected'",
-                       (status, event.sequence, at, error, event.task_id))
+                       "where task_id = ? and status = ?",
+                       (status, event.sequence, at, error, event.task_id, TaskStatus.REJECTED))
             db.execute(
                 "insert into tasks(task_id, workflow, workflow_version, status, sequence, failure_count, "
                 "created_at, updated_at, error) select ?, ?, ?, ?, ?, 0, ?, ?, ? where not exists "
@@ -88,7 +89,7 @@ def project(db: Executor, event: Event) -> None:
             )
             return
         case StepStarted():
-            status, deadline, start_by = _handed_over(event, "queued", "processing")
+            step_status, deadline, start_by = _handed_over(event, StepStatus.QUEUED, StepStatus.PROCESSING)
             db.execute(
                 "insert into steps(task_id, step, step_index, status, attempt, attempt_id, complete_by, "
                 "failure_count, calls_used, updated_at, queued_at, start_by) "
@@ -97,93 +98,96 @@ def project(db: Executor, event: Event) -> None:
                 "attempt_id = excluded.attempt_id, complete_by = excluded.complete_by, "
                 "updated_at = excluded.updated_at, queued_at = excluded.queued_at, start_by = excluded.start_by, "
                 "accepted_at = null, waited_ms = null",
-                (event.task_id, event.step, event.step_index, status, event.attempt, event.attempt_id,
+                (event.task_id, event.step, event.step_index, step_status, event.attempt, event.attempt_id,
                  deadline, at, at, start_by),
             )
-            db.execute("update tasks set status = 'running', current_step = ? where task_id = ?",
-                       (event.step, event.task_id))
+            db.execute("update tasks set status = ?, current_step = ? where task_id = ?",
+                       (TaskStatus.RUNNING, event.step, event.task_id))
         case StepAccepted():
             db.execute(
                 "update steps set status = ?, complete_by = ?, accepted_at = ?, waited_ms = ?, updated_at = ? "
                 "where task_id = ? and step = ?",
-                ("compensating" if event.compensation else "processing", ms(event.complete_by),
+                (StepStatus.COMPENSATING if event.compensation else StepStatus.PROCESSING, ms(event.complete_by),
                  ms(event.accepted_at), event.waited_ms, at, event.task_id, event.step),
             )
         case StepSucceeded():
             db.execute(
-                "update steps set status = 'succeeded', calls_used = calls_used + ?, error = null, "
+                "update steps set status = ?, calls_used = calls_used + ?, error = null, "
                 "updated_at = ? where task_id = ? and step = ?",
-                (event.calls, at, event.task_id, event.step),
+                (StepStatus.SUCCEEDED, event.calls, at, event.task_id, event.step),
             )
         case StepFailed():
             db.execute(
-                "update steps set status = 'failed', failure_count = ?, calls_used = calls_used + ?, "
+                "update steps set status = ?, failure_count = ?, calls_used = calls_used + ?, "
                 "error = ?, updated_at = ? where task_id = ? and step = ?",
-                (event.failure_count, event.calls, event.error, at, event.task_id, event.step),
+                (StepStatus.FAILED, event.failure_count, event.calls, event.error, at, event.task_id, event.step),
             )
             db.execute("update tasks set failure_count = failure_count + 1 where task_id = ?", (event.task_id,))
         case TaskCompleted():
-            db.execute("update tasks set status = 'completed', current_step = null where task_id = ?",
-                       (event.task_id,))
+            db.execute("update tasks set status = ?, current_step = null where task_id = ?",
+                       (TaskStatus.COMPLETED, event.task_id))
         case TaskFailed():
-            db.execute("update tasks set status = 'error', error = ? where task_id = ?",
-                       (_headline(event.step, event.reason), event.task_id))
+            db.execute("update tasks set status = ?, error = ? where task_id = ?",
+                       (TaskStatus.ERROR, _headline(event.step, event.reason), event.task_id))
         case OperatorAlert():
             db.execute("insert into alerts(task_id, step, reason, occurred_at) values (?, ?, ?, ?)",
                        (event.task_id, event.step, event.reason, at))
         case StepResubmitted():
             db.execute("update steps set failure_count = 0, calls_used = 0, updated_at = ? where task_id = ? "
                        "and step = ?", (at, event.task_id, event.step))
-            db.execute("update tasks set status = 'running', error = null where task_id = ?", (event.task_id,))
+            db.execute("update tasks set status = ?, error = null where task_id = ?",
+                       (TaskStatus.RUNNING, event.task_id))
         case CompensationStarted():
             # An operator's compensation of a task in error keeps the error that put it there.
             error = None if event.trigger == "operator" else _headline(event.step, event.reason)
-            db.execute("update tasks set status = 'compensating', current_step = null, error = coalesce(?, error) "
-                       "where task_id = ?", (error, event.task_id))
+            db.execute("update tasks set status = ?, current_step = null, error = coalesce(?, error) "
+                       "where task_id = ?", (TaskStatus.COMPENSATING, error, event.task_id))
         case StepCompensationSkipped():
-            db.execute("update steps set status = 'compensation_skipped', updated_at = ? where task_id = ? "
-                       "and step = ?", (at, event.task_id, event.step))
+            db.execute("update steps set status = ?, updated_at = ? where task_id = ? and step = ?",
+                       (StepStatus.COMPENSATION_SKIPPED, at, event.task_id, event.step))
         case StepCompensationStarted():
-            status, deadline, start_by = _handed_over(event, "compensation_queued", "compensating")
+            step_status, deadline, start_by = _handed_over(event, StepStatus.COMPENSATION_QUEUED,
+                                                           StepStatus.COMPENSATING)
             db.execute(
                 "update steps set status = ?, compensation_attempt = ?, attempt_id = ?, complete_by = ?, "
                 "updated_at = ?, queued_at = ?, start_by = ?, accepted_at = null, waited_ms = null "
                 "where task_id = ? and step = ?",
-                (status, event.attempt, event.attempt_id, deadline, at, at, start_by, event.task_id, event.step),
+                (step_status, event.attempt, event.attempt_id, deadline, at, at, start_by, event.task_id, event.step),
             )
             db.execute("update tasks set current_step = ? where task_id = ?", (event.step, event.task_id))
         case StepCompensated():
             db.execute(
-                "update steps set status = 'compensated', compensation_calls_used = compensation_calls_used + ?, "
+                "update steps set status = ?, compensation_calls_used = compensation_calls_used + ?, "
                 "compensation_error = null, updated_at = ? where task_id = ? and step = ?",
-                (event.calls, at, event.task_id, event.step),
+                (StepStatus.COMPENSATED, event.calls, at, event.task_id, event.step),
             )
         case StepCompensationFailed():
             db.execute(
-                "update steps set status = 'compensation_failed', compensation_failure_count = ?, "
+                "update steps set status = ?, compensation_failure_count = ?, "
                 "compensation_calls_used = compensation_calls_used + ?, compensation_error = ?, updated_at = ? "
                 "where task_id = ? and step = ?",
-                (event.failure_count, event.calls, event.error, at, event.task_id, event.step),
+                (StepStatus.COMPENSATION_FAILED, event.failure_count, event.calls, event.error, at, event.task_id,
+                 event.step),
             )
         case CompensationRetried():
             db.execute("update steps set compensation_failure_count = 0, compensation_calls_used = 0, updated_at = ? "
                        "where task_id = ? and step = ?", (at, event.task_id, event.step))
             # The failed compensation is being retried: the headline goes back to why the task is undone.
-            db.execute("update tasks set status = 'compensating', error = ? where task_id = ?",
-                       (_compensation_cause(db, event.task_id), event.task_id))
+            db.execute("update tasks set status = ?, error = ? where task_id = ?",
+                       (TaskStatus.COMPENSATING, _compensation_cause(db, event.task_id), event.task_id))
         case TaskCompensated():
-            db.execute("update tasks set status = 'compensated', current_step = null where task_id = ?",
-                       (event.task_id,))
+            db.execute("update tasks set status = ?, current_step = null where task_id = ?",
+                       (TaskStatus.COMPENSATED, event.task_id))
         case TaskCompensationFailed():
-            db.execute("update tasks set status = 'compensation_failed', current_step = null, error = ? "
-                       "where task_id = ?", (_headline(event.step, event.reason), event.task_id))
+            db.execute("update tasks set status = ?, current_step = null, error = ? where task_id = ?",
+                       (TaskStatus.COMPENSATION_FAILED, _headline(event.step, event.reason), event.task_id))
         case MessageIgnored() | OperatorCommandRefused():
             pass
     db.execute(task_update, (event.sequence, at, event.task_id))
 
 
-def _handed_over(event: StepStarted | StepCompensationStarted, queued: str,
-                 running: str) -> tuple[str, int, int | None]:
+def _handed_over(event: StepStarted | StepCompensationStarted, queued: StepStatus,
+                 running: StepStatus) -> tuple[StepStatus, int, int | None]:
     """An attempt's status, deadline in force and start-by as it is handed over: queued until an agent takes
     it (its deadline the start-by), or running at once when the event predates acknowledgements."""
     if event.start_by is None:

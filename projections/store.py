@@ -28,6 +28,7 @@ from eventstore.errors import InfrastructureError
 from projections.migrations import Dialect, migrate
 from projections.rows import Executor, ms, project
 from schemas.messages import Event
+from schemas.states import STEPS_FAILED, STEPS_IN_PROGRESS, STEPS_WAITING, StepStatus
 
 T = TypeVar("T")
 
@@ -35,6 +36,16 @@ T = TypeVar("T")
 BOOKKEEPING = frozenset({"schema_migrations", "sqlite_sequence", "sqlite_stat1", "sqlite_stat4"})
 TASK_COLUMNS = ("task_id, workflow, workflow_version, status, sequence, current_step, failure_count, error, "
                 "created_at, updated_at")
+
+
+def _status_in(statuses: Sequence[StepStatus]) -> str:
+    """``status in ('a', 'b')`` as literals, not parameters: SQLite uses a partial index only for a query whose
+    condition repeats the index's, and the migrations spell the statuses out as literals."""
+    return "status in (" + ", ".join(f"'{status}'" for status in statuses) + ")"
+
+
+_IN_PROGRESS = _status_in(STEPS_IN_PROGRESS)  # the ``steps_leased`` partial index's condition
+_FAILED = _status_in(STEPS_FAILED)  # the ``steps_failed`` partial index's condition
 
 
 @dataclass(frozen=True)
@@ -226,7 +237,7 @@ class Store(ABC):
 
     # The status list must match the ``steps_leased`` partial index's word for word for the planner to use it.
     _EXPIRED = ("select task_id, step, attempt_id, complete_by from steps "
-                "where status in ('queued', 'processing', 'compensation_queued', 'compensating') and complete_by <= ? "
+                f"where {_IN_PROGRESS} and complete_by <= ? "
                 "and (complete_by, task_id, step) > (?, ?, ?) "
                 "order by complete_by, task_id, step limit ?")
 
@@ -297,13 +308,13 @@ class Store(ABC):
 
     def stuck_steps(self, now: datetime, limit: int = 50) -> list[dict[str, Any]]:
         """Steps still queued, processing or compensating after their deadline, oldest deadline first."""
-        return self._dicts("select * from steps where status in ('queued', 'processing', 'compensation_queued', "
-                           "'compensating') and complete_by <= ? order by complete_by, task_id, step limit ?",
+        return self._dicts(f"select * from steps where {_IN_PROGRESS} and complete_by <= ? "
+                           "order by complete_by, task_id, step limit ?",
                            (ms(now), limit))
 
     def queued_steps(self, limit: int = 50) -> list[dict[str, Any]]:
         """Attempts waiting for an agent to take them (forward or compensating), longest waiting first."""
-        return self._dicts("select * from steps where status in ('queued', 'compensation_queued') "
+        return self._dicts(f"select * from steps where {_status_in(STEPS_WAITING)} "
                            "order by queued_at, task_id, step limit ?", (limit,))
 
     def queue_waits(self, since_ms: int) -> dict[str, Any]:
@@ -315,7 +326,7 @@ class Store(ABC):
 
     def failed_steps(self, limit: int = 50) -> list[dict[str, Any]]:
         """Steps that failed or whose compensation failed, most recent first."""
-        return self._dicts("select * from steps where status in ('failed', 'compensation_failed') "
+        return self._dicts(f"select * from steps where {_FAILED} "
                            "order by updated_at desc, task_id desc, step desc limit ?", (limit,))
 
     def alerts(self, limit: int = 100, before_id: int | None = None) -> list[dict[str, Any]]:

@@ -69,23 +69,25 @@ from schemas.messages import (
     TaskRejected,
 )
 from schemas.sealed import Keyring
+from schemas.states import StepStatus, TaskStatus, step_progress
 
 log = structlog.get_logger("stepstream.scheduler")
 
 IN_FLIGHT = Gauge("stepstream_tasks_in_flight", "Non-terminal tasks owned by this scheduler", ["partition"])
 
 _STATUS_OF: dict[type[Event], str] = {
-    TaskAccepted: "received",
-    TaskRejected: "rejected",
-    StepSucceeded: "step_succeeded",
-    StepFailed: "step_failed",
-    TaskCompleted: "completed",
-    TaskFailed: "failed",
-    CompensationStarted: "compensating",
-    StepCompensated: "step_compensated",
-    TaskCompensated: "compensated",
-    TaskCompensationFailed: "compensation_failed",
+    TaskAccepted: TaskStatus.ACCEPTED,
+    TaskRejected: TaskStatus.REJECTED,
+    StepSucceeded: step_progress(StepStatus.SUCCEEDED),
+    StepFailed: step_progress(StepStatus.FAILED),
+    TaskCompleted: TaskStatus.COMPLETED,
+    TaskFailed: TaskStatus.ERROR,
+    CompensationStarted: TaskStatus.COMPENSATING,
+    StepCompensated: step_progress(StepStatus.COMPENSATED),
+    TaskCompensated: TaskStatus.COMPENSATED,
+    TaskCompensationFailed: TaskStatus.COMPENSATION_FAILED,
 }
+"""What a submitter's reply topic is told of each event: the task's status it leads to, or the step's outcome."""
 
 
 class Scheduler:
@@ -144,8 +146,7 @@ class Scheduler:
         if status is None or reply_topic is None:
             return
         detail = getattr(event, "step", None) or getattr(event, "reason", None)
-        output.send(reply_topic, StatusUpdate(task_id=state.task_id, status=status,  # type: ignore[arg-type]
-                                              detail=detail))
+        output.send(reply_topic, StatusUpdate(task_id=state.task_id, status=status, detail=detail))
 
     def _request(self, event: StepStarted | StepCompensationStarted, state: TaskState, output: EventProducer) -> None:
         """The agent request an attempt's start calls for: the step's own agent, or its compensation's."""

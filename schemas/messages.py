@@ -13,6 +13,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from schemas.avro import utc_millis
+from schemas.states import progress
 
 Timestamp = Annotated[datetime, AfterValidator(utc_millis)]
 JsonObject = dict[str, Any]
@@ -407,8 +408,7 @@ class AgentRequest(Message):
 class StatusUpdate(Message):
     """Progress on a submitter's private reply topic."""
 
-    status: Literal["received", "rejected", "step_succeeded", "step_failed", "completed", "failed", "compensating",
-                    "step_compensated", "compensated", "compensation_failed"]
+    status: Annotated[str, AfterValidator(progress)]  # schemas.states.PROGRESS; Avro: a string
     detail: str | None = None
 
 

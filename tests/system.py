@@ -17,9 +17,9 @@ from demo.orders_client import OrdersAdmin, ServiceProcess
 from eventstore.producer import EventProducer
 from eventstore.replay import ReplayReader
 from eventstore.topics import TopicLayout
-from scheduler.decider import TERMINAL
 from schemas.messages import Event, SubmitTask
-from stepstream.processes import ServiceProcesses
+from schemas.states import TERMINAL
+from stepstream.local.processes import ServiceProcesses
 from tests.kafka_helpers import wait_for
 
 AGENTS = ("inventory", "payments", "shipping")

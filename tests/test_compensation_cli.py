@@ -10,7 +10,7 @@ import pytest
 
 from schemas.messages import CompensationRetried, CompensationStarted, Event, OperatorCommandRefused, StepResubmitted
 from stepstream.cli import build_parser
-from stepstream.operator import Outcome, TaskEvents
+from stepstream.client.outcomes import Outcome, TaskEvents
 
 
 def make(kind: type[Event], **fields: Any) -> Event:

@@ -23,9 +23,9 @@ from projections.settings import StoreSettings
 from scheduler.settings import SchedulerSettings
 from schemas.sealed import EncryptionSettings
 from stepstream.cli import build_parser
+from stepstream.client.outbox import OutboxSettings
 from stepstream.http.settings import ApiSettings
-from stepstream.outbox import OutboxSettings
-from stepstream.restarts import RestartSettings
+from stepstream.local.restarts import RestartSettings
 from supervisor.settings import SupervisorSettings
 
 ROOT = Path(__file__).parent.parent

@@ -29,6 +29,7 @@ from eventstore.topics import TopicLayout
 from projections.dlq_rows import project_dead_letter
 from projections.lag import LagReader
 from projections.store import Positioned, SqliteStore
+from schemas.states import TaskStatus
 from stepstream.http.app import create_app
 from tests.histories import histories, publish
 from tests.kafka_helpers import wait_for
@@ -41,8 +42,7 @@ pytestmark = pytest.mark.kafka
 ARTIFACTS = Path(__file__).parent.parent / "test-artifacts"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
-STATES = ("accepted", "running", "completed", "error", "compensating", "compensated", "compensation_failed",
-          "rejected")
+STATES = tuple(TaskStatus)  # the page's tiles: one per task state, as the server wrote them into the page
 TABLES = ("dlq-kinds", "stuck", "failed", "lag", "alerts", "tasks")  # filled from the API (compensation: fixed rows)
 
 

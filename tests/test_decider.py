@@ -9,8 +9,6 @@ from typing import Any
 import pytest
 
 from scheduler.decider import (
-    FINAL,
-    TERMINAL,
     Command,
     Decision,
     InvalidTransition,
@@ -47,6 +45,7 @@ from schemas.messages import (
     TaskFailed,
     TaskRejected,
 )
+from schemas.states import FINAL, TERMINAL
 
 NOW = datetime(2025, 1, 1, 12, 0, tzinfo=UTC)
 

@@ -24,8 +24,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from scheduler.decider import (
-    FINAL,
-    TERMINAL,
     Command,
     Decision,
     Limits,
@@ -60,6 +58,7 @@ from schemas.messages import (
     TaskCompensationFailed,
     TaskRejected,
 )
+from schemas.states import FINAL, TERMINAL
 
 UNDO = Compensation("undo", timeout_s=3, attempt_budget=3, calls_per_attempt=2)
 REGISTRY = WorkflowRegistry.of([

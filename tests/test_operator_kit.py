@@ -20,8 +20,8 @@ import agents.policy
 import agents.runtime
 import eventstore.metrics
 import scheduler.service
+import stepstream.client.outbox
 import stepstream.http.writes
-import stepstream.outbox
 import supervisor.service
 from projections.lag import LagReader, PartitionLag
 from projections.store import SqliteStore
@@ -32,8 +32,9 @@ RULES = ROOT / "deploy" / "prometheus" / "alerts.yml"
 RULE_TESTS = ROOT / "deploy" / "prometheus" / "alerts_test.yml"
 DASHBOARD = ROOT / "deploy" / "grafana" / "stepstream.json"
 PROMTOOL = Path(os.environ.get("STEPSTREAM_PROMTOOL", Path.home() / ".cache" / "stepstream" / "bin" / "promtool"))
+# importing them registers their metrics
 SERVICES = (agents.dependencies, agents.policy, agents.runtime, eventstore.metrics, scheduler.service,
-            stepstream.outbox, stepstream.http.writes, supervisor.service)  # importing them registers their metrics
+            stepstream.client.outbox, stepstream.http.writes, supervisor.service)
 METRIC = re.compile(r"\bstepstream_[a-z_]+\b")
 
 

@@ -1,4 +1,4 @@
-"""Dual write: the transactional outbox (stepstream.outbox) and the example application that uses it.
+"""Dual write: the transactional outbox (stepstream.client.outbox) and the example application that uses it.
 
 Real PostgreSQL (tests/postgres.py) and the real broker: a committed order's submission reaches inbox
 once, a rolled-back one never; a relay killed between its produce and its commit re-sends, and the task
@@ -28,9 +28,8 @@ from eventstore.topics import TopicLayout
 from examples.outbox_app import install as install_app
 from examples.outbox_app import place_order, place_order_and_submit, submission_for, task_id_for
 from schemas.messages import SubmitTask, TaskAccepted
-from stepstream import outbox
-from stepstream.client import Client, InvalidSubmission
-from stepstream.outbox import InvalidOutboxInput, OutboxError, OutboxRelay, OutboxRow, OutboxSettings
+from stepstream.client import Client, InvalidSubmission, outbox
+from stepstream.client.outbox import InvalidOutboxInput, OutboxError, OutboxRelay, OutboxRow, OutboxSettings
 from tests.kafka_helpers import wait_for
 from tests.system import System
 
@@ -115,7 +114,7 @@ def test_a_rolled_back_order_submits_nothing(
 
 CRASHING_RELAY = """
 import os, sys
-from stepstream.outbox import OutboxRelay, OutboxSettings
+from stepstream.client.outbox import OutboxRelay, OutboxSettings
 
 class Crash(OutboxRelay):
     def after_produce(self, rows):

@@ -29,7 +29,7 @@ from projections.settings import StoreSpec
 from projections.store import Store
 from schemas.messages import StepStarted
 from stepstream.cli import main
-from stepstream.processes import ServiceProcesses
+from stepstream.local.processes import ServiceProcesses
 from tests.histories import histories, publish
 from tests.kafka_helpers import wait_for
 

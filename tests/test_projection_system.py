@@ -16,7 +16,7 @@ import orjson
 import pytest
 
 from projections.settings import StoreSpec
-from scheduler.decider import TERMINAL
+from schemas.states import TERMINAL
 from tests.kafka_helpers import wait_for
 from tests.system import System
 

@@ -104,7 +104,7 @@ def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured]:
             producer = EventProducer(bootstrap)
             for name in SUBMITTERS:
                 ensure_topics(scheduler_admin, [layout.status_spec(name)])
-                published[name] = StatusUpdate(task_id=f"task-of-{name}", status="received", detail=name)
+                published[name] = StatusUpdate(task_id=f"task-of-{name}", status="accepted", detail=name)
                 producer.send(layout.status(name), published[name])
             producer.flush()
             del producer, scheduler_admin  # no client of the fixture outlives the broker

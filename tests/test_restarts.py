@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from stepstream.restarts import RestartPolicy, RestartSettings
+from stepstream.local.restarts import RestartPolicy, RestartSettings
 
 
 class Clock:

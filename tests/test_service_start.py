@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from stepstream.processes import ServiceProcesses
+from stepstream.local.processes import ServiceProcesses
 
 ROOT = Path(__file__).parent.parent
 

@@ -73,7 +73,7 @@ def test_an_invalid_submission_names_the_field_and_produces_nothing(
     assert read_all(system.bootstrap, system.layout.inbox, expect=1, timeout_s=2) == []
 
 
-def test_a_submitter_following_its_reply_topic_hears_its_own_tasks_from_received_to_completed(
+def test_a_submitter_following_its_reply_topic_hears_its_own_tasks_from_accepted_to_completed(
     system: System,
 ) -> None:
     system.start()
@@ -86,7 +86,7 @@ def test_a_submitter_following_its_reply_topic_hears_its_own_tasks_from_received
     assert {u.task_id for u in updates} == set(ours), "nothing about other submitters' tasks"
     for task_id in ours:
         statuses = [u.status for u in updates if u.task_id == task_id]
-        assert statuses[0] == "received" and statuses[-1] == "completed", statuses
+        assert statuses[0] == "accepted" and statuses[-1] == "completed", statuses
         assert statuses.count("step_succeeded") == 3
 
 

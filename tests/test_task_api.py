@@ -16,9 +16,9 @@ from fastapi.testclient import TestClient
 from eventstore.topics import TopicLayout
 from projections.lag import LagReader
 from projections.store import SqliteStore
-from scheduler.decider import TERMINAL
 from schemas.codec import default_codec
 from schemas.messages import OperatorCommand, StatusUpdate, SubmitTask, TaskAccepted
+from schemas.states import TERMINAL
 from stepstream.http.admission import GlobalAdmission
 from stepstream.http.app import create_app
 from stepstream.http.settings import ApiSettings
@@ -96,7 +96,7 @@ def test_a_posted_task_gets_201_its_repeat_200_and_it_runs_once(system: System, 
     updates = [codec.decode(m.value()) for m in read_all(system.bootstrap, system.layout.status("shop"),
                                                          expect=5, timeout_s=10)]
     statuses = [u.status for u in updates if isinstance(u, StatusUpdate) and u.task_id == "http-1"]
-    assert statuses[0] == "received" and statuses[-1] == "completed", "the token holder's reply topic"
+    assert statuses[0] == "accepted" and statuses[-1] == "completed", "the token holder's reply topic"
 
 
 def test_a_token_may_only_name_its_own_reply_topic(system: System, api: Api) -> None:

@@ -30,8 +30,7 @@ from schemas.messages import (
     TaskRejected,
 )
 from stepstream.cli import main
-from stepstream.http.reads import TaskState
-from stepstream.submit_cli import TASK_STATES, TaskFilter, all_tasks
+from stepstream.cli.tasks import TASK_STATES, TaskFilter, all_tasks
 
 START = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)
 TOPIC = "t.events"
@@ -129,10 +128,6 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
 
 def json_lines(out: str) -> list[dict[str, Any]]:
     return [orjson.loads(line) for line in out.splitlines()]
-
-
-def test_the_states_offered_are_the_states_the_projection_and_the_api_know() -> None:
-    assert tuple(s.value for s in TaskState) == TASK_STATES
 
 
 def test_json_prints_one_parseable_object_per_task_newest_first_and_nothing_else(

@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 
 from demo.orders_client import Records
-from scheduler.decider import TERMINAL
 from schemas.messages import Event, OperatorAlert, StepStarted, TaskCompensationFailed
+from schemas.states import TERMINAL
 from tests.kafka_helpers import wait_for
 from tests.system import System
 from tests.test_compensation_end_to_end import saga, start

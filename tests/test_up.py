@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from stepstream.up import READY_MARKER, wait_until_up
+from stepstream.local.up import READY_MARKER, wait_until_up
 from tests.kafka_helpers import wait_for
 
 pytestmark = pytest.mark.kafka

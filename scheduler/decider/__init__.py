@@ -54,21 +54,15 @@ from scheduler.decider.ids import (
     input_digest,
 )
 from scheduler.decider.state import (
-    FINAL,
-    TERMINAL,
     CompensationState,
     Lease,
     StepState,
-    StepStatus,
     TaskState,
-    TaskStatus,
 )
 from scheduler.decider.transitions import InvalidTransition, evolve, fold
 
 __all__ = [
     "DEFAULT_MAX_IN_FLIGHT",
-    "FINAL",
-    "TERMINAL",
     "Command",
     "CompensationState",
     "Decision",
@@ -76,9 +70,7 @@ __all__ = [
     "Lease",
     "Limits",
     "StepState",
-    "StepStatus",
     "TaskState",
-    "TaskStatus",
     "attempt_id",
     "compensation_attempt_id",
     "compensation_idempotency_key",

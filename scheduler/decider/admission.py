@@ -15,6 +15,7 @@ from scheduler.decider.ids import input_digest
 from scheduler.decider.state import TaskState
 from scheduler.workflow import WorkflowNotFoundError, WorkflowRegistry
 from schemas.messages import OperatorAlert, SubmitTask, TaskAccepted, TaskRejected
+from schemas.states import TaskStatus
 
 DEFAULT_MAX_IN_FLIGHT = 2_000
 """Non-terminal tasks per inbox partition before submissions are rejected: what the system can work off
@@ -75,7 +76,7 @@ def resubmit(command: SubmitTask, state: TaskState, registry: WorkflowRegistry, 
     version = state.workflow_version if command.workflow_version is None else command.workflow_version
     digest = input_digest(command.workflow, version, command.input)
     if command.workflow == state.workflow and digest == state.input_digest:
-        if state.status == "rejected":
+        if state.status == TaskStatus.REJECTED:
             return admit(command, registry, now, in_flight, limits, rejected=state)
         return Decision(())
     reason = (

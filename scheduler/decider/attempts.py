@@ -11,6 +11,7 @@ from datetime import timedelta
 from scheduler.decider.decision import Builder
 from scheduler.decider.state import Lease, StepState, TaskState
 from schemas.messages import AttemptAccepted, OperatorAlert, RecoverStep, StepAccepted
+from schemas.states import StepStatus
 
 
 def in_progress(state: TaskState) -> tuple[int, StepState]:
@@ -35,7 +36,7 @@ def on_accepted(builder: Builder, accepted: AttemptAccepted) -> None:
         StepAccepted,
         step=current.name,
         attempt_id=current.lock,
-        compensation=current.status == "compensating",
+        compensation=current.status == StepStatus.COMPENSATING,
         accepted_at=accepted.accepted_at,
         complete_by=min(accepted.accepted_at + lease.timeout, lease.complete_by),
         waited_ms=max(0, (accepted.accepted_at - lease.started_at) // timedelta(milliseconds=1)),

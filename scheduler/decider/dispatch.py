@@ -18,6 +18,7 @@ from scheduler.decider.relevance import deadline_not_passed, not_current, not_qu
 from scheduler.decider.state import TaskState
 from scheduler.workflow import WorkflowNotFoundError, WorkflowRegistry
 from schemas.messages import AttemptAccepted, MessageIgnored, OperatorCommand, RecoverStep, StepResult, SubmitTask
+from schemas.states import StepStatus
 
 
 def decide(
@@ -69,7 +70,7 @@ def decide(
         workflow = registry.get(state.workflow, state.workflow_version)
     except WorkflowNotFoundError as exc:
         return Decision((), dead_letter=f"unknown workflow {state.workflow!r} v{state.workflow_version}: {exc}")
-    undoing = in_progress(state)[1].status == "compensating"
+    undoing = in_progress(state)[1].status == StepStatus.COMPENSATING
     if isinstance(command, StepResult):
         (on_compensation_result if undoing else on_result)(builder, workflow, command)
     else:

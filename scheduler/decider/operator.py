@@ -10,9 +10,10 @@ from scheduler.decider.attempts import in_progress
 from scheduler.decider.compensation import begin_compensation, start_compensation_attempt
 from scheduler.decider.decision import Builder, Decision
 from scheduler.decider.forward import start_attempt
-from scheduler.decider.state import StepStatus, TaskState
+from scheduler.decider.state import TaskState
 from scheduler.workflow import WorkflowNotFoundError, WorkflowRegistry
 from schemas.messages import CompensationRetried, OperatorCommand, OperatorCommandRefused, StepFailed, StepResubmitted
+from schemas.states import StepStatus, TaskStatus
 
 
 def on_operator(builder: Builder, command: OperatorCommand, registry: WorkflowRegistry) -> Decision:
@@ -80,14 +81,14 @@ def _check_operator(state: TaskState, command: OperatorCommand) -> tuple[str | N
     if action in ("compensate", "cancel"):
         if command.step is not None:
             return f"{action} acts on the whole task: it takes no step", None
-        if action == "compensate" and status != "error":
+        if action == "compensate" and status != TaskStatus.ERROR:
             return (f"task is {status}{doing}: only a task in error can be compensated "
                     "(cancel a running task; retry-compensation after compensation_failed)"), None
-        if action == "cancel" and status not in ("accepted", "running"):
+        if action == "cancel" and status not in (TaskStatus.ACCEPTED, TaskStatus.RUNNING):
             return f"task is {status}: only a running task can be cancelled", None
         return None, None
-    wanted: StepStatus = "failed" if action == "resubmit" else "compensation_failed"
-    needed = "error" if action == "resubmit" else "compensation_failed"
+    wanted = StepStatus.FAILED if action == "resubmit" else StepStatus.COMPENSATION_FAILED
+    needed = TaskStatus.ERROR if action == "resubmit" else TaskStatus.COMPENSATION_FAILED
     if status != needed:
         return f"task is {status}{doing}: {action} needs a task in {needed}", None
     names = [step.name for step in state.steps]

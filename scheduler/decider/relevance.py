@@ -12,6 +12,7 @@ from scheduler.decider.decision import Builder
 from scheduler.decider.ids import attempt_id, compensation_attempt_id
 from scheduler.decider.state import StepState, TaskState
 from schemas.messages import AttemptAccepted, LateResultRecorded, RecoverStep, StepResult
+from schemas.states import StepStatus
 
 
 def not_current(state: TaskState, command: StepResult | RecoverStep | AttemptAccepted) -> str | None:
@@ -58,20 +59,21 @@ def _late_consequence(step: StepState, ok: bool, is_undo: bool) -> str:
     what = ("its undo was applied" if ok else "its undo was refused") if is_undo else (
         "its effect exists at the service" if ok else "that call was refused, earlier calls may have landed")
     if is_undo:
-        now = {"compensated": "the step is recorded as undone",
-               "compensating": "an undo attempt with the same key is in progress and will get the same answer"}
+        now = {StepStatus.COMPENSATED: "the step is recorded as undone",
+               StepStatus.COMPENSATING: "an undo attempt with the same key is in progress and will get the same answer"}
         return f"late answer from an undo of step {step.name!r}: {what}; " + now.get(
             step.status, f"the step is {step.status}: a retried undo uses the same key")
     by_status = {
-        "succeeded": "the step already succeeded with the same idempotency key",
-        "processing": f"attempt {step.attempt_id} in progress uses the same idempotency key and gets it replayed",
-        "compensating": "its undo is in progress",
-        "compensated": "its undo fenced the key at the service, so this effect landed before the undo and was "
+        StepStatus.SUCCEEDED: "the step already succeeded with the same idempotency key",
+        StepStatus.PROCESSING: f"attempt {step.attempt_id} in progress uses the same idempotency key and gets it "
+                               "replayed",
+        StepStatus.COMPENSATING: "its undo is in progress",
+        StepStatus.COMPENSATED: "its undo fenced the key at the service, so this effect landed before the undo and was "
                        "released by it",
-        "compensation_skipped": "the step declares no compensating action: the effect stays",
-        "compensation_failed": "its undo failed: retry-compensation undoes it",
+        StepStatus.COMPENSATION_SKIPPED: "the step declares no compensating action: the effect stays",
+        StepStatus.COMPENSATION_FAILED: "its undo failed: retry-compensation undoes it",
         # A failed step is the last started; a compensation undoes it first, so only a task in error has one.
-        "failed": "compensating the task undoes it; resubmitting the step replays it",
+        StepStatus.FAILED: "compensating the task undoes it; resubmitting the step replays it",
     }
     return f"late answer for step {step.name!r}: {what}; {by_status.get(step.status, f'the step is {step.status}')}"
 

@@ -8,23 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, Literal
+from typing import Any
 
 from scheduler.workflow import Workflow
-
-TaskStatus = Literal[
-    "accepted", "running", "completed", "error", "rejected", "compensating", "compensated", "compensation_failed"
-]
-StepStatus = Literal[
-    "pending", "processing", "succeeded", "failed", "compensating", "compensated", "compensation_failed",
-    "compensation_skipped",
-]
-TERMINAL: frozenset[str] = frozenset({"completed", "error", "rejected", "compensated", "compensation_failed"})
-"""Task statuses no agent result or recovery can leave: a terminal task only records ignored messages."""
-FINAL: frozenset[str] = frozenset({"completed", "compensated"})
-"""Terminal statuses nothing can leave. ``error`` and ``compensation_failed`` wait for an operator;
-``rejected`` is left by a repeat of the same submission once admission control has room (a client told
-to retry later retries under the same task id, its idempotency key)."""
+from schemas.states import TERMINAL, StepStatus, TaskStatus
 
 
 @dataclass(frozen=True)
@@ -89,7 +76,7 @@ class StepState:
     """
 
     name: str
-    status: StepStatus = "pending"
+    status: StepStatus = StepStatus.PENDING
     attempt: int = 0
     attempt_id: str | None = None
     lease: Lease | None = None
@@ -103,18 +90,18 @@ class StepState:
     @property
     def lock(self) -> str | None:
         """The attempt in progress (``locked_by``): the forward one, or the compensation's."""
-        if self.status == "processing":
+        if self.status == StepStatus.PROCESSING:
             return self.attempt_id
-        if self.status == "compensating":
+        if self.status == StepStatus.COMPENSATING:
             return self.compensation.attempt_id
         return None
 
     @property
     def current_lease(self) -> Lease | None:
         """The clock of the attempt in progress: the forward one, or the compensation's."""
-        if self.status == "processing":
+        if self.status == StepStatus.PROCESSING:
             return self.lease
-        if self.status == "compensating":
+        if self.status == StepStatus.COMPENSATING:
             return self.compensation.lease
         return None
 
@@ -156,7 +143,7 @@ class TaskState:
         """What the next attempt's agent gets: the task input and the outputs of the steps before it."""
         return {
             "task": self.input,
-            "steps": {step.name: step.output for step in self.steps if step.status == "succeeded"},
+            "steps": {step.name: step.output for step in self.steps if step.status == StepStatus.SUCCEEDED},
         }
 
     def compensation_input(self, index: int) -> dict[str, Any]:
@@ -192,6 +179,6 @@ class TaskState:
         return None
 
 
-_MAY_BE_APPLIED: frozenset[str] = frozenset({"succeeded", "failed"})
+_MAY_BE_APPLIED: frozenset[StepStatus] = frozenset({StepStatus.SUCCEEDED, StepStatus.FAILED})
 """Step statuses, outside an attempt in progress, of a step whose effect may exist and has not been undone."""
-_UNDO_CANDIDATES: frozenset[str] = _MAY_BE_APPLIED | {"compensation_failed"}
+_UNDO_CANDIDATES: frozenset[StepStatus] = _MAY_BE_APPLIED | {StepStatus.COMPENSATION_FAILED}

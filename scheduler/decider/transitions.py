@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import replace
 
-from scheduler.decider.state import Lease, StepState, StepStatus, TaskState, TaskStatus
+from scheduler.decider.state import Lease, StepState, TaskState
 from schemas.messages import (
     CompensationRetried,
     CompensationStarted,
@@ -34,6 +34,7 @@ from schemas.messages import (
     TaskFailed,
     TaskRejected,
 )
+from schemas.states import StepStatus, TaskStatus
 
 _RECORDS = (MessageIgnored, LateResultRecorded, OperatorAlert, OperatorCommandRefused)
 """Events that record something for operators and change nothing but the sequence (and seen commands)."""
@@ -47,22 +48,22 @@ class InvalidTransition(ValueError):
     """
 
 
-_ALLOWED_FROM: dict[type[Event], frozenset[str]] = {
-    StepStarted: frozenset({"accepted", "running"}),
-    StepAccepted: frozenset({"running", "compensating"}),
-    StepSucceeded: frozenset({"running"}),
-    StepFailed: frozenset({"running"}),
-    TaskCompleted: frozenset({"running"}),
-    TaskFailed: frozenset({"running"}),
-    CompensationStarted: frozenset({"running", "error"}),
-    StepCompensationSkipped: frozenset({"compensating"}),
-    StepCompensationStarted: frozenset({"compensating"}),
-    StepCompensated: frozenset({"compensating"}),
-    StepCompensationFailed: frozenset({"compensating"}),
-    TaskCompensated: frozenset({"compensating"}),
-    TaskCompensationFailed: frozenset({"compensating"}),
-    StepResubmitted: frozenset({"error"}),
-    CompensationRetried: frozenset({"compensation_failed"}),
+_ALLOWED_FROM: dict[type[Event], frozenset[TaskStatus]] = {
+    StepStarted: frozenset({TaskStatus.ACCEPTED, TaskStatus.RUNNING}),
+    StepAccepted: frozenset({TaskStatus.RUNNING, TaskStatus.COMPENSATING}),
+    StepSucceeded: frozenset({TaskStatus.RUNNING}),
+    StepFailed: frozenset({TaskStatus.RUNNING}),
+    TaskCompleted: frozenset({TaskStatus.RUNNING}),
+    TaskFailed: frozenset({TaskStatus.RUNNING}),
+    CompensationStarted: frozenset({TaskStatus.RUNNING, TaskStatus.ERROR}),
+    StepCompensationSkipped: frozenset({TaskStatus.COMPENSATING}),
+    StepCompensationStarted: frozenset({TaskStatus.COMPENSATING}),
+    StepCompensated: frozenset({TaskStatus.COMPENSATING}),
+    StepCompensationFailed: frozenset({TaskStatus.COMPENSATING}),
+    TaskCompensated: frozenset({TaskStatus.COMPENSATING}),
+    TaskCompensationFailed: frozenset({TaskStatus.COMPENSATING}),
+    StepResubmitted: frozenset({TaskStatus.ERROR}),
+    CompensationRetried: frozenset({TaskStatus.COMPENSATION_FAILED}),
 }
 """The task statuses each transition may follow; operator transitions are the only way out of a terminal one."""
 
@@ -108,56 +109,58 @@ def evolve(state: TaskState | None, event: Event) -> TaskState:
         case StepAccepted():
             return _accepted(state, event)
         case StepSucceeded():
-            index, step = _attempt_in_progress(state, event.step, event.attempt_id, "processing")
-            done = replace(step, status="succeeded", output=event.output, calls_used=step.calls_used + event.calls)
+            index, step = _attempt_in_progress(state, event.step, event.attempt_id, StepStatus.PROCESSING)
+            done = replace(step, status=StepStatus.SUCCEEDED, output=event.output,
+                           calls_used=step.calls_used + event.calls)
             return _with_step(state, event, index, done)
         case StepFailed():
-            index, step = _attempt_in_progress(state, event.step, event.attempt_id, "processing")
+            index, step = _attempt_in_progress(state, event.step, event.attempt_id, StepStatus.PROCESSING)
             _check_failure_count(step.name, step.failure_count, event.failure_count)
-            failed = replace(step, status="failed", error=event.error, failure_count=event.failure_count,
+            failed = replace(step, status=StepStatus.FAILED, error=event.error, failure_count=event.failure_count,
                              calls_used=step.calls_used + event.calls)
             return _with_step(state, event, index, failed)
         case TaskCompleted():
-            if not state.steps or any(step.status != "succeeded" for step in state.steps):
+            if not state.steps or any(step.status != StepStatus.SUCCEEDED for step in state.steps):
                 raise InvalidTransition(f"task {state.task_id!r} cannot complete before all its steps succeeded")
-            return replace(state, status="completed", sequence=event.sequence)
+            return replace(state, status=TaskStatus.COMPLETED, sequence=event.sequence)
         case TaskFailed():
-            _step_in(state, event.step, "failed")
-            return replace(state, status="error", sequence=event.sequence)
+            _step_in(state, event.step, StepStatus.FAILED)
+            return replace(state, status=TaskStatus.ERROR, sequence=event.sequence)
         case CompensationStarted():
             return _compensation_started(state, event)
         case StepCompensationSkipped():
-            index = _next_to_undo(state, event.step, ("succeeded", "failed"))
-            return _with_step(state, event, index, replace(state.steps[index], status="compensation_skipped"))
+            index = _next_to_undo(state, event.step, (StepStatus.SUCCEEDED, StepStatus.FAILED))
+            return _with_step(state, event, index, replace(state.steps[index], status=StepStatus.COMPENSATION_SKIPPED))
         case StepCompensationStarted():
             return _compensation_attempt_started(state, event)
         case StepCompensated():
-            index, step = _attempt_in_progress(state, event.step, event.attempt_id, "compensating")
+            index, step = _attempt_in_progress(state, event.step, event.attempt_id, StepStatus.COMPENSATING)
             undo = replace(step.compensation, output=event.output,
                            calls_used=step.compensation.calls_used + event.calls)
-            return _with_step(state, event, index, replace(step, status="compensated", compensation=undo))
+            return _with_step(state, event, index, replace(step, status=StepStatus.COMPENSATED, compensation=undo))
         case StepCompensationFailed():
-            index, step = _attempt_in_progress(state, event.step, event.attempt_id, "compensating")
+            index, step = _attempt_in_progress(state, event.step, event.attempt_id, StepStatus.COMPENSATING)
             _check_failure_count(step.name, step.compensation.failure_count, event.failure_count)
             undo = replace(step.compensation, error=event.error, failure_count=event.failure_count,
                            calls_used=step.compensation.calls_used + event.calls)
-            return _with_step(state, event, index, replace(step, status="compensation_failed", compensation=undo))
+            given_up = replace(step, status=StepStatus.COMPENSATION_FAILED, compensation=undo)
+            return _with_step(state, event, index, given_up)
         case TaskCompensated():
             if state.undo_candidate() is not None:
                 raise InvalidTransition(f"task {state.task_id!r} still has steps that may have been applied to undo")
-            return replace(state, status="compensated", sequence=event.sequence)
+            return replace(state, status=TaskStatus.COMPENSATED, sequence=event.sequence)
         case TaskCompensationFailed():
-            _step_in(state, event.step, "compensation_failed")
-            return replace(state, status="compensation_failed", sequence=event.sequence)
+            _step_in(state, event.step, StepStatus.COMPENSATION_FAILED)
+            return replace(state, status=TaskStatus.COMPENSATION_FAILED, sequence=event.sequence)
         case StepResubmitted():
-            index = _step_in(state, event.step, "failed")
+            index = _step_in(state, event.step, StepStatus.FAILED)
             fresh = replace(state.steps[index], failure_count=0, calls_used=0)
-            return replace(_with_step(state, event, index, fresh), status="running")
+            return replace(_with_step(state, event, index, fresh), status=TaskStatus.RUNNING)
         case CompensationRetried():
-            index = _step_in(state, event.step, "compensation_failed")
+            index = _step_in(state, event.step, StepStatus.COMPENSATION_FAILED)
             step = state.steps[index]
             fresh = replace(step, compensation=replace(step.compensation, failure_count=0, calls_used=0))
-            return replace(_with_step(state, event, index, fresh), status="compensating")
+            return replace(_with_step(state, event, index, fresh), status=TaskStatus.COMPENSATING)
     raise InvalidTransition(f"{type(event).__name__} is not an event of the task state machine")
 
 
@@ -176,10 +179,10 @@ def _created(event: Event) -> TaskState:
         )
     match event:
         case TaskAccepted():
-            status: TaskStatus = "accepted"
+            status: TaskStatus = TaskStatus.ACCEPTED
             data, digest = event.input, event.input_digest
         case TaskRejected():
-            status, data, digest = "rejected", {}, event.input_digest or ""
+            status, data, digest = TaskStatus.REJECTED, {}, event.input_digest or ""
         case _:
             raise InvalidTransition(
                 f"task {event.task_id!r} has no state: its first event must be TaskAccepted or TaskRejected, "
@@ -202,14 +205,14 @@ def _created(event: Event) -> TaskState:
 
 def _readmitted(state: TaskState, event: TaskAccepted | TaskRejected) -> TaskState:
     """A rejected task asking for admission again: accepted now, or rejected once more."""
-    if state.status != "rejected":
+    if state.status != TaskStatus.REJECTED:
         raise InvalidTransition(f"task {state.task_id!r} already exists: {type(event).__name__} again")
     if event.input_digest != state.input_digest:
         raise InvalidTransition(f"task {state.task_id!r} was rejected with input digest "
                                 f"{state.input_digest[:12]}: {type(event).__name__} names another submission")
     if isinstance(event, TaskRejected):
         return replace(state, sequence=event.sequence)
-    return replace(state, status="accepted", sequence=event.sequence, input=event.input,
+    return replace(state, status=TaskStatus.ACCEPTED, sequence=event.sequence, input=event.input,
                    submitter=event.submitter, reply_topic=event.reply_topic)
 
 
@@ -217,7 +220,7 @@ def _step_started(state: TaskState, event: StepStarted) -> TaskState:
     """A first attempt appends its step (all earlier ones must have succeeded); a retry follows a failure."""
     index = event.step_index
     if index == len(state.steps):
-        if any(step.status != "succeeded" for step in state.steps):
+        if any(step.status != StepStatus.SUCCEEDED for step in state.steps):
             raise InvalidTransition(f"step {event.step!r} cannot start before every earlier step succeeded")
         prior = StepState(event.step)
     elif index < len(state.steps):
@@ -226,7 +229,7 @@ def _step_started(state: TaskState, event: StepStarted) -> TaskState:
             raise InvalidTransition(f"step {index} of task {state.task_id!r} is {prior.name!r}, not {event.step!r}")
     else:
         raise InvalidTransition(f"step {event.step!r} (index {index}) skips a step of task {state.task_id!r}")
-    if prior.status not in ("pending", "failed"):
+    if prior.status not in (StepStatus.PENDING, StepStatus.FAILED):
         raise InvalidTransition(f"step {prior.name!r} is {prior.status}: it cannot start another attempt")
     if event.attempt != prior.attempt + 1:
         raise InvalidTransition(
@@ -234,19 +237,19 @@ def _step_started(state: TaskState, event: StepStarted) -> TaskState:
         )
     started = replace(
         prior,
-        status="processing",
+        status=StepStatus.PROCESSING,
         attempt=event.attempt,
         attempt_id=event.attempt_id,
         lease=Lease(event.occurred_at, event.complete_by, event.start_by),
         calls_allowed=event.calls_allowed,
     )
     steps = (*state.steps[:index], started, *state.steps[index + 1 :])
-    return replace(state, status="running", sequence=event.sequence, steps=steps, current_step=index)
+    return replace(state, status=TaskStatus.RUNNING, sequence=event.sequence, steps=steps, current_step=index)
 
 
 def _accepted(state: TaskState, event: StepAccepted) -> TaskState:
     """The queued attempt in progress was taken by an agent: its deadline becomes the work deadline."""
-    status: StepStatus = "compensating" if event.compensation else "processing"
+    status: StepStatus = StepStatus.COMPENSATING if event.compensation else StepStatus.PROCESSING
     index, step = _attempt_in_progress(state, event.step, event.attempt_id, status)
     lease = step.current_lease
     if lease is None or not lease.queued:
@@ -261,23 +264,23 @@ def _accepted(state: TaskState, event: StepAccepted) -> TaskState:
 
 def _compensation_started(state: TaskState, event: CompensationStarted) -> TaskState:
     """The plan must be exactly the started steps, last first; only an operator compensates a task in error."""
-    expected = "error" if event.trigger == "operator" else "running"
+    expected = TaskStatus.ERROR if event.trigger == "operator" else TaskStatus.RUNNING
     if state.status != expected:
         raise InvalidTransition(f"task {state.task_id!r} is {state.status}: a compensation by {event.trigger} "
                                 f"starts from {expected}")
     if event.trigger != "escalation" and event.command_id is None:
         raise InvalidTransition(f"a {event.trigger} compensation names the operator command that ordered it")
     if event.trigger == "escalation":
-        _step_in(state, event.step or "", "failed")
+        _step_in(state, event.step or "", StepStatus.FAILED)
     plan = state.undo_plan()
     if event.steps != plan:
         raise InvalidTransition(f"compensation plan {event.steps} is not the started steps in reverse: {plan}")
-    return replace(state, status="compensating", sequence=event.sequence)
+    return replace(state, status=TaskStatus.COMPENSATING, sequence=event.sequence)
 
 
 def _compensation_attempt_started(state: TaskState, event: StepCompensationStarted) -> TaskState:
     """A compensation attempt: of the last started step not yet undone, numbered after the previous one."""
-    index = _next_to_undo(state, event.step, ("succeeded", "failed", "compensation_failed"))
+    index = _next_to_undo(state, event.step, (StepStatus.SUCCEEDED, StepStatus.FAILED, StepStatus.COMPENSATION_FAILED))
     if event.step_index != index:
         raise InvalidTransition(f"step {event.step!r} is at index {index}, not {event.step_index}")
     step = state.steps[index]
@@ -288,7 +291,8 @@ def _compensation_attempt_started(state: TaskState, event: StepCompensationStart
         )
     undo = replace(step.compensation, attempt=event.attempt, attempt_id=event.attempt_id,
                    lease=Lease(event.occurred_at, event.complete_by, event.start_by), calls_allowed=event.calls_allowed)
-    steps = (*state.steps[:index], replace(step, status="compensating", compensation=undo), *state.steps[index + 1 :])
+    undoing = replace(step, status=StepStatus.COMPENSATING, compensation=undo)
+    steps = (*state.steps[:index], undoing, *state.steps[index + 1 :])
     return replace(state, sequence=event.sequence, steps=steps, current_step=index)
 
 

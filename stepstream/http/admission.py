@@ -12,7 +12,7 @@ import structlog
 from eventstore.topics import TopicLayout
 from projections.lag import LagReader
 from projections.store import Store
-from scheduler.decider import TERMINAL
+from schemas.states import TERMINAL
 
 log = structlog.get_logger("stepstream.api")
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import base64
 import binascii
 from datetime import UTC, datetime, timedelta
-from enum import Enum
 from typing import Annotated, Any
 
 import orjson
@@ -17,20 +16,10 @@ from fastapi import APIRouter, HTTPException, Query
 from projections.lag import LagReader
 from projections.rows import exact_ms
 from projections.store import Store
+from schemas.states import TaskStatus
 from stepstream.http.errors import invalid
 
 MAX_INT64 = 2**63 - 1  # what both stores' integer columns hold: larger values are refused with a 422
-
-
-class TaskState(str, Enum):
-    accepted = "accepted"
-    running = "running"
-    completed = "completed"
-    error = "error"
-    compensating = "compensating"
-    compensated = "compensated"
-    compensation_failed = "compensation_failed"
-    rejected = "rejected"
 
 
 Limit = Annotated[int, Query(ge=1, le=500, description="at most this many items")]
@@ -70,7 +59,7 @@ def read_router(store: Store, topics: list[str], lag: LagReader | None) -> APIRo
 
     @router.get("/api/tasks", tags=["tasks"])
     def tasks(
-        state: Annotated[TaskState | None, Query(description="only tasks in this state")] = None,
+        state: Annotated[TaskStatus | None, Query(description="only tasks in this state")] = None,
         workflow: Annotated[str | None, Query(min_length=1, max_length=200)] = None,
         since: Annotated[datetime | None, Query(description="created at or after (ISO 8601)")] = None,
         until: Annotated[datetime | None, Query(description="created before (ISO 8601)")] = None,
@@ -82,7 +71,7 @@ def read_router(store: Store, topics: list[str], lag: LagReader | None) -> APIRo
         if since_ms is not None and until_ms is not None and until_ms <= since_ms:
             raise invalid("until", "must be after since", until)
         before = decode_cursor(cursor, (int, str))
-        items = store.tasks(state=state.value if state else None, workflow=workflow, since_ms=since_ms,
+        items = store.tasks(state=state, workflow=workflow, since_ms=since_ms,
                             until_ms=until_ms, before=(before[0], before[1]) if before else None, limit=limit)
         return _page(items, limit, "created_at", "task_id")
 

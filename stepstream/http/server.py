@@ -4,7 +4,6 @@ like every service, with the write side only when tokens and a Kafka cluster are
 
 from __future__ import annotations
 
-import argparse
 import socket
 import sys
 import threading
@@ -20,8 +19,8 @@ from eventstore.settings import ConsumerSettings, KafkaSettings, ObservabilitySe
 from eventstore.shutdown import GracefulShutdown
 from eventstore.topics import TopicLayout
 from eventstore.tracing import configure_tracing
-from projections.commands import UsageError
 from projections.settings import StoreSettings
+from stepstream.errors import UsageError
 from stepstream.http.settings import ApiSettings
 
 if TYPE_CHECKING:
@@ -115,12 +114,3 @@ def _task_writer(kafka: KafkaSettings, layout: TopicLayout, store: Store, lag: L
     admission = GlobalAdmission(store, lag, layout, settings.max_in_flight, settings.admission_refresh_s)
     return TaskWriter(bootstrap=kafka.resolved_bootstrap(), layout=layout, store=store,
                       registry=SchedulerSettings().load_registry(), admission=admission, settings=settings)
-
-
-def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """``stepstream serve api``."""
-    serve = commands.add_parser("serve", help="serve the dashboard API, the dashboard page and /metrics")
-    serve.add_argument("what", choices=["api"])
-    serve.add_argument("--host", default=None, help="interface (default STEPSTREAM_API_HOST, 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=None, help="port (default STEPSTREAM_API_PORT, 8780; 0: any free)")
-    serve.set_defaults(func=lambda a: serve_api(host=a.host, port=a.port))

@@ -39,13 +39,14 @@ from schemas.messages import (
     TaskRejected,
     new_id,
 )
+from schemas.states import TaskStatus
 from stepstream.client import InvalidSubmission, build_submission, check_submission, same_submission
+from stepstream.client.outcomes import Outcome
 from stepstream.http.admission import GlobalAdmission
 from stepstream.http.bodies import CommandRequest, SubmissionRequest
 from stepstream.http.decisions import DecisionWatcher
 from stepstream.http.errors import invalid
 from stepstream.http.settings import ApiSettings
-from stepstream.operator import Outcome
 
 _EVENT_TYPES: dict[str, type[Event]] = {t.__name__: t for t in MESSAGE_TYPES if issubclass(t, Event)}
 
@@ -135,7 +136,7 @@ class TaskWriter:
             raise
         match waiter.event:
             case TaskAccepted():
-                return Answer(201, self._task_body(command.task_id, "accepted", waiter.event.workflow,
+                return Answer(201, self._task_body(command.task_id, TaskStatus.ACCEPTED, waiter.event.workflow,
                                                    waiter.event.workflow_version), self._location(command.task_id))
             case TaskRejected(reason=reason):
                 self.admission.release(command.task_id)
@@ -160,7 +161,7 @@ class TaskWriter:
                                 "detail": f"task {command.task_id!r} exists with other data "
                                           f"({existing['workflow']} v{existing['workflow_version']}); "
                                           "nothing was submitted"})
-        if existing["status"] == "rejected":
+        if existing["status"] == TaskStatus.REJECTED:
             return None
         return Answer(200, self._task_body(command.task_id, existing["status"], existing["workflow"],
                                            existing["workflow_version"]), self._location(command.task_id))

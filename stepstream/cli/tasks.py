@@ -29,19 +29,16 @@ from pydantic import ValidationError
 
 from projections.rows import EPOCH, exact_ms
 from scheduler.settings import SchedulerSettings
+from schemas.states import TaskStatus
 from stepstream.client import Client, InvalidSubmission, SubmissionContradicts, SubmissionRejected, TaskWaitTimeout
 
 if TYPE_CHECKING:
     from projections.store import Store
-    from scheduler.decider import TaskStatus
 
 EXIT_INVALID, EXIT_NOT_FOUND, EXIT_NOT_COMPLETED, EXIT_REJECTED, EXIT_CONTRADICTION, EXIT_TIMEOUT = 2, 3, 4, 5, 6, 124
 
-# The task states of the projection (``projections/rows.py``), as ``/api/tasks?state=`` accepts them, in its
-# order; typed by the decider's ``TaskStatus``, so a name that is not a task state fails the type check.
-TASK_STATES: tuple[TaskStatus, ...] = (
-    "accepted", "running", "completed", "error", "compensating", "compensated", "compensation_failed", "rejected",
-)
+# The task states, as ``/api/tasks?state=`` accepts them and in its order.
+TASK_STATES: tuple[str, ...] = tuple(status.value for status in TaskStatus)  # plain: argparse shows their repr
 ERROR_WIDTH = 60
 
 
@@ -165,7 +162,7 @@ def _submit(args: argparse.Namespace) -> int:
         print(f"stepstream submit: --wait timed out: {exc}", file=sys.stderr)
         return EXIT_TIMEOUT
     _print(task, args.json)
-    return 0 if task["status"] == "completed" else EXIT_NOT_COMPLETED
+    return 0 if task["status"] == TaskStatus.COMPLETED else EXIT_NOT_COMPLETED
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -281,8 +278,9 @@ def _clip(text: str | None, width: int = ERROR_WIDTH) -> str:
 
 
 STATUS_STYLES: dict[TaskStatus, str] = {
-    "completed": "green", "error": "red", "compensation_failed": "bold red", "rejected": "red",
-    "compensating": "yellow", "compensated": "yellow", "running": "cyan",
+    TaskStatus.COMPLETED: "green", TaskStatus.ERROR: "red", TaskStatus.COMPENSATION_FAILED: "bold red",
+    TaskStatus.REJECTED: "red", TaskStatus.COMPENSATING: "yellow", TaskStatus.COMPENSATED: "yellow",
+    TaskStatus.RUNNING: "cyan",
 }
 
 

@@ -8,6 +8,9 @@ input its workflow's input model refuses.
 
 Task ids are the idempotency key of the whole system: submitting the same task again (a retry after a
 timeout, a crash between a database write and the submit) runs it once.
+
+Beside it in this package: ``outcomes`` (the scheduler's answer to an operator command, read from ``events``)
+and ``outbox`` (submitting in the same transaction as an application's own PostgreSQL write).
 """
 
 from __future__ import annotations
@@ -30,12 +33,13 @@ from eventstore.settings import KafkaSettings
 from eventstore.topics import TopicLayout, TopicSpec, ensure_topics
 from projections.settings import StoreSettings
 from projections.store import SqliteStore, Store
-from scheduler.decider import TERMINAL, input_digest
+from scheduler.decider import input_digest
 from scheduler.settings import SchedulerSettings
 from scheduler.workflow import WorkflowNotFoundError, WorkflowRegistry
 from schemas.codec import default_codec
 from schemas.errors import DecodeError
 from schemas.messages import OperatorAction, OperatorCommand, StatusUpdate, SubmitTask, new_id
+from schemas.states import TERMINAL, TaskStatus
 
 
 class InvalidSubmission(StepstreamError, ValueError):
@@ -144,11 +148,11 @@ class Client:
             task = self.status(task_id)
             if task is not None:
                 self._raise_if_contradicted(task_id)
-            if task is not None and task["status"] == "rejected" and \
+            if task is not None and task["status"] == TaskStatus.REJECTED and \
                     task["sequence"] <= self._seen_at_submit.get(task_id, -1):
                 task = None  # the rejection of an earlier submission: this one is not decided yet
             if task is not None and task["status"] in TERMINAL:
-                if task["status"] == "rejected":
+                if task["status"] == TaskStatus.REJECTED:
                     raise SubmissionRejected(f"task {task_id} was rejected: {task.get('error')}")
                 return task
             if time.monotonic() >= deadline:

@@ -1,4 +1,4 @@
-"""What ``stepstream projections rebuild|verify`` do, behind the thin CLI.
+"""``stepstream projections rebuild|verify``: the state store rebuilt from the log, or checked against it.
 
 Human output by default (progress and tables on the terminal), ``--json`` for scripts: then stdout is one
 JSON object. Bad arguments raise ``UsageError`` naming the option.
@@ -14,7 +14,6 @@ from typing import Any
 import orjson
 
 from eventstore.console import command_console
-from eventstore.errors import StepstreamError
 from eventstore.settings import KafkaSettings
 from eventstore.topics import TopicLayout
 from projections.rebuild import (
@@ -29,10 +28,7 @@ from projections.rebuild import (
     verify_stores,
 )
 from projections.settings import StoreSettings, StoreSpec
-
-
-class UsageError(StepstreamError):
-    """An option the command cannot use; the message names it."""
+from stepstream.errors import UsageError
 
 
 def parse_until_offset(text: str) -> dict[int, int]:

@@ -22,19 +22,15 @@ projections rebuild replaces that schema wholesale.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import re
-import sys
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 from urllib.parse import urlsplit
 
-import orjson
 import psycopg
 import structlog
 from confluent_kafka import KafkaException
@@ -45,7 +41,7 @@ from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from eventstore.errors import InfrastructureError, StepstreamError
-from eventstore.health import HEALTH, serve_health
+from eventstore.health import HEALTH
 from eventstore.producer import EventProducer
 from projections.settings import StoreSettings, StoreSpec
 from scheduler.settings import SchedulerSettings
@@ -59,7 +55,6 @@ log = structlog.get_logger("stepstream.outbox")
 DEFAULT_SCHEMA = "stepstream_outbox"
 TABLE = "outbox"
 ENV_PREFIX = "STEPSTREAM_OUTBOX_"
-EXIT_INVALID = 2
 IDENTIFIER = r"^[A-Za-z_][A-Za-z0-9_]{0,62}$"
 
 RELAYED = Counter("stepstream_outbox_relayed_total", "Outbox rows produced to inbox (acks=all) and marked sent",
@@ -210,7 +205,7 @@ def enqueue(conn: psycopg.Connection[Any], submission: SubmitTask, *, schema: st
             (submission.task_id, submission.workflow, submission.message_id, payload),
         ).fetchone()
     except psycopg.errors.UndefinedTable as exc:
-        raise OutboxError(f"no outbox table {schema}.{TABLE}: run stepstream.outbox.install(conn, {schema!r}) "
+        raise OutboxError(f"no outbox table {schema}.{TABLE}: run stepstream.client.outbox.install(conn, {schema!r}) "
                           "or `stepstream outbox install`") from exc
     assert row is not None
     return int(row[0])
@@ -358,86 +353,3 @@ class OutboxRelay:
 
     def __exit__(self, *_exc: object) -> None:
         self.close()
-
-
-# ---- ``stepstream outbox ...`` ----------------------------------------------------------------------
-
-
-def add_parsers(commands: Any) -> None:
-    """``stepstream outbox install|relay|status``."""
-    outbox = commands.add_parser("outbox", help="the transactional outbox of an application's PostgreSQL database")
-    actions = outbox.add_subparsers(dest="action", required=True)
-    actions.add_parser("install", help="create the outbox table (idempotent)").set_defaults(
-        func=_configured("install", _install))
-    relay = actions.add_parser("relay", help="relay outbox rows to inbox until SIGTERM (or --once)")
-    relay.add_argument("--once", action="store_true", help="relay what is pending now, then exit")
-    relay.set_defaults(func=_configured("relay", _relay))
-    status = actions.add_parser("status", help="unsent rows and the age of the oldest")
-    status.add_argument("--json", action="store_true")
-    status.set_defaults(func=_configured("status", _status))
-
-
-def _configured(action: str, run: Callable[[argparse.Namespace, OutboxSettings, str], int],
-                ) -> Callable[[argparse.Namespace], int]:
-    """``run`` with the settings and the database they name; invalid settings exit 2 naming the field
-    (before anything connects)."""
-
-    def invoke(args: argparse.Namespace) -> int:
-        try:
-            settings = load_settings()
-            dsn = settings.resolved_dsn()
-        except InvalidOutboxInput as exc:
-            print(f"stepstream outbox {action}: invalid {exc}", file=sys.stderr)
-            return EXIT_INVALID
-        return run(args, settings, dsn)
-
-    return invoke
-
-
-def _connect(dsn: str) -> psycopg.Connection[Any]:
-    try:
-        return psycopg.connect(dsn, autocommit=True)
-    except psycopg.OperationalError as exc:
-        raise InfrastructureError(f"outbox database unavailable: {exc}") from exc
-
-
-def _install(_args: argparse.Namespace, settings: OutboxSettings, dsn: str) -> int:
-    with _connect(dsn) as conn:
-        install(conn, settings.db_schema)
-    print(f"outbox table {settings.db_schema}.{TABLE} ready")
-    return 0
-
-
-def _status(args: argparse.Namespace, settings: OutboxSettings, dsn: str) -> int:
-    with _connect(dsn) as conn:
-        current = backlog(conn, settings.db_schema)
-    oldest = current.oldest.isoformat() if current.oldest else None
-    if args.json:
-        print(orjson.dumps({"pending": current.pending, "oldest": oldest}).decode())
-    else:
-        print(f"{current.pending} pending" + (f", oldest enqueued {oldest}" if oldest else ""))
-    return 0
-
-
-def _relay(args: argparse.Namespace, settings: OutboxSettings, dsn: str) -> int:
-    # Signals before connecting (a SIGTERM during start-up drains too), as every service process does.
-    from eventstore.logs import configure_logging
-    from eventstore.settings import ConsumerSettings, KafkaSettings, ObservabilitySettings
-    from eventstore.shutdown import GracefulShutdown
-    from eventstore.topics import TopicLayout
-
-    stop = GracefulShutdown(ConsumerSettings().drain_timeout_s).install().event
-    observability = ObservabilitySettings()
-    configure_logging(observability.log_level, observability.log_json)
-    if observability.metrics_port is not None:
-        serve_health(observability.metrics_port)
-    log.info("service starting", service="outbox relay")
-    kafka = KafkaSettings()
-    with OutboxRelay(settings, bootstrap=kafka.resolved_bootstrap(), topic=TopicLayout.from_settings(kafka).inbox,
-                     dsn=dsn, stop=stop) as relay:
-        if args.once:
-            relay.drain()
-        else:
-            relay.run()
-        print(f"relayed {relay.relayed}")
-    return 0

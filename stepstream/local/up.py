@@ -4,7 +4,7 @@ It starts the local broker if no cluster is configured, the demo's order service
 its own process (projector, scheduler, one agent per agent the workflows name, supervisor, and the API
 with the dashboard on STEPSTREAM_API_PORT, or a free port when that one is taken), then watches them: one
 that dies is started again after a back-off, one that keeps dying stops everything with exit 1
-(``stepstream.restarts``). On SIGTERM it drains them newest first and reports each exit code.
+(``stepstream.local.restarts``). On SIGTERM it drains them newest first and reports each exit code.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from eventstore.shutdown import GracefulShutdown
 from eventstore.topics import TopicLayout, ensure_topics
 from scheduler.settings import SchedulerSettings
 from stepstream.http.settings import ApiSettings
-from stepstream.processes import ServiceProcesses, child_env
-from stepstream.restarts import RestartPolicy, RestartSettings
+from stepstream.local.processes import ServiceProcesses, child_env
+from stepstream.local.restarts import RestartPolicy, RestartSettings
 
 READY_MARKER = "stepstream is up"
 API_MARKER = "api listening on"

@@ -1,0 +1,53 @@
+"""``stepstream``: one thin command in front of every service and tool.
+
+Each verb's command line is defined in its own module here, next to the few lines that call into the package
+that owns the work (``tasks``: submit, status, tasks; ``operator``: task ...; ``broker``: broker, topics;
+``run``: run, up; ``projections``, ``serve``, ``dlq``, ``outbox``, ``demo``). This module only gathers them
+and turns the errors every verb may meet into exit codes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from confluent_kafka import KafkaException
+
+from eventstore.errors import KafkaUnreachable, StepstreamError
+from eventstore.kafka_config import kafka_reason
+from stepstream.cli import broker, demo, dlq, operator, outbox, projections, run, serve, tasks
+
+EXIT_UNAVAILABLE = 69  # sysexits' EX_UNAVAILABLE: the Kafka cluster did not answer
+DESCRIPTION = ("``stepstream``: one thin command in front of every service and tool. Each sub-command parses its "
+               "arguments and calls into the package that owns the work.")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="stepstream", description=DESCRIPTION)
+    commands = parser.add_subparsers(dest="command", required=True)
+    for verbs in (broker, run, tasks, operator, projections, serve, dlq, outbox, demo):
+        verbs.add_parsers(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    if not (sys.argv[1:] if argv is None else argv):  # no command: the list of them, not argparse's one-liner
+        parser.print_help(sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except KafkaUnreachable as exc:
+        print(f"stepstream: {exc}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    except StepstreamError as exc:
+        print(f"stepstream: {exc}", file=sys.stderr)
+        return 1
+    except KafkaException as exc:  # a broker lost mid-command: its reason, not a librdkafka traceback
+        print(f"stepstream: Kafka: {kafka_reason(exc)}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    except KeyboardInterrupt:
+        return 130

@@ -17,7 +17,7 @@ TaskStatus = Literal[
 ]
 StepStatus = Literal[
     "pending", "processing", "succeeded", "failed", "compensating", "compensated", "compensation_failed",
-    "compensation_skipped",
+    "compensation_skipped", "waiting",
 ]
 TERMINAL: frozenset[str] = frozenset({"completed", "error", "rejected", "compensated", "compensation_failed"})
 """Task statuses no agent result or recovery can leave: a terminal task only records ignored messages."""
@@ -61,6 +61,19 @@ class Lease:
 
 
 @dataclass(frozen=True)
+class Timer:
+    """A waiting step's timer: attempt number ``attempt`` (forward or of the undo) starts at ``not_before``.
+
+    A ``RetryDue`` starts it only if it names this timer exactly, so an old or repeated one changes nothing.
+    """
+
+    attempt: int
+    not_before: datetime
+    reason: str
+    compensation: bool = False
+
+
+@dataclass(frozen=True)
 class CompensationState:
     """The compensation of one step, as far as it got: its attempts, budget spent and outcome.
 
@@ -85,7 +98,8 @@ class StepState:
     ``calls_used`` only grows within a round and never exceeds the step's ``attempt_budget``; an
     operator's resubmit opens a new round. ``calls_allowed`` is what the current (or last) attempt was
     granted, kept so a timed-out attempt can be charged in full. ``error`` is the last failure's, kept
-    across retries for operators.
+    across retries for operators. A ``waiting`` step has a ``timer`` for its next attempt (forward, or of
+    its undo while the task compensates) and no attempt in progress.
     """
 
     name: str
@@ -99,6 +113,7 @@ class StepState:
     output: dict[str, Any] | None = None
     error: str | None = None
     compensation: CompensationState = field(default_factory=CompensationState)
+    timer: Timer | None = None
 
     @property
     def lock(self) -> str | None:
@@ -192,6 +207,6 @@ class TaskState:
         return None
 
 
-_MAY_BE_APPLIED: frozenset[str] = frozenset({"succeeded", "failed"})
+_MAY_BE_APPLIED: frozenset[str] = frozenset({"succeeded", "failed", "waiting"})
 """Step statuses, outside an attempt in progress, of a step whose effect may exist and has not been undone."""
 _UNDO_CANDIDATES: frozenset[str] = _MAY_BE_APPLIED | {"compensation_failed"}

@@ -7,12 +7,14 @@ timers (``StepRetryScheduled``) and the attempts they started.
 
 from __future__ import annotations
 
+import math
+import time
 from collections import Counter
 from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from schemas.messages import Event, StepRetryScheduled, StepStarted
+from schemas.messages import Event, StepFailed, StepRetryScheduled, StepStarted
 from tests.kafka_helpers import wait_for
 from tests.system import System
 from tests.test_compensation_end_to_end import saga, start
@@ -23,6 +25,7 @@ __all__ = ["saga"]
 pytestmark = pytest.mark.kafka
 
 WORKFLOW = "orders-waiting"  # tests/workflows.py: a 6 s back-off between attempts, one call an attempt
+OUTAGE_S = 20.0
 
 
 def timers_and_starts(events: list[Event]) -> list[tuple[StepRetryScheduled, list[StepStarted]]]:
@@ -94,3 +97,37 @@ def test_timers_pending_when_the_scheduler_is_sigkilled_fire_after_its_restart_a
     assert Counter(statuses.values()) == {"completed": len(ids)}
     pending_at_kill = [t for t in history if isinstance(t, StepRetryScheduled) and t.not_before > killed_at]
     assert pending_at_kill, "the scheduler was killed while timers were pending"
+
+
+@pytest.mark.timeout(600)
+def test_every_task_waits_out_a_20_s_outage_and_completes_with_calls_held_to_the_breakers_probes(
+        saga: System) -> None:
+    ids = [f"outage-{i:02d}" for i in range(20)]
+    start(saga)
+    saga.admin.set_faults(error_rate=1.0)  # every call of every operation: 503
+    outage_began = time.time()
+    for task_id in ids:
+        saga.submit(task_id, workflow="orders-outage")
+    time.sleep(OUTAGE_S)  # the outage itself: what the test is about, not a wait for something to happen
+    saga.admin.clear_faults()
+    outage_ended = time.time()
+    statuses = saga.wait_terminal(ids, timeout_s=120)
+
+    records, history = saga.admin.records(), saga.events()
+    per_order = records_per_order(records)
+    for task_id in ids:
+        events = [e for e in history if e.task_id == task_id]
+        assert inconsistency(statuses[task_id], per_order[task_id], events, records["tombstones"]) is None
+    assert Counter(statuses.values()) == {"completed": len(ids)}, "every task waited the outage out"
+
+    reserve = saga.admin.arrivals().get("inventory/reserve", {})
+    during = sorted(a["at"] for calls in reserve.values() for a in calls if outage_began <= a["at"] < outage_ended)
+    # Before the inventory agent's breaker opens (20 failures, its default) each first attempt may make both
+    # its calls; once open only a probe now and then reaches the service (one per open period of 5 s).
+    bound = 2 * len(ids) + math.ceil(OUTAGE_S / 5.0) + 1
+    assert len(during) <= bound, f"{len(during)} calls during the outage, more than the breaker lets through"
+    assert all(len(calls) <= 8 for calls in reserve.values()), "each step's budget of 8 calls held"
+    deferrals = [e for e in history if isinstance(e, StepRetryScheduled) and e.deferred_attempt_id]
+    assert deferrals, "attempts the open breaker refused were deferred"
+    failures = Counter(e.task_id for e in history if isinstance(e, StepFailed))
+    assert max(failures.values(), default=0) < 5, f"deferrals spent no failed attempts: {failures}"

@@ -153,6 +153,17 @@ ORDERS_WAITING = Workflow(
     escalation="compensate",
 )
 
+# Waits out an outage (tests/test_timers_end_to_end.py): a back-off growing from 1 s to 8 s, and five failed
+# attempts a step before it gives up. Attempts the agents' open breakers refuse are deferred, not failures,
+# so an outage of 20 s spends few of them.
+ORDERS_OUTAGE = Workflow(
+    name="orders-outage",
+    version=1,
+    steps=tuple(replace(step, backoff=Backoff(initial_s=1.0, max_s=8.0)) for step in _compensated_order_steps()),
+    failure_threshold=5,
+    escalation="compensate",
+)
+
 COMPENSATION_REGISTRY = WorkflowRegistry.of([ORDERS_V1, ORDERS_V2, ORDERS_COMP, ORDERS_HOLD, ORDERS_PATIENT,
                                              ORDERS_ONCE, ORDERS_CHAOS, ORDERS_COMP_QUICK_START, ORDERS_UNFENCED,
-                                             ORDERS_WAITING])
+                                             ORDERS_WAITING, ORDERS_OUTAGE])

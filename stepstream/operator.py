@@ -35,6 +35,7 @@ from schemas.messages import (
     Event,
     OperatorAction,
     OperatorCommandRefused,
+    RetryBroughtForward,
     StepResubmitted,
     new_id,
 )
@@ -46,8 +47,9 @@ _ACTIONS: dict[OperatorAction, str] = {
     "compensate": "undo the completed steps of a task in error",
     "cancel": "stop a running task and undo what it completed",
     "retry-compensation": "retry the failed compensation of a task in compensation_failed",
+    "try-now": "start the next attempt of a waiting step now instead of at its retry time",
 }
-_TAKES_STEP: frozenset[OperatorAction] = frozenset({"resubmit", "retry-compensation"})
+_TAKES_STEP: frozenset[OperatorAction] = frozenset({"resubmit", "retry-compensation", "try-now"})
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,8 @@ class Outcome:
                 return cls("accepted", f"step {event.step!r} resubmitted")
             case CompensationRetried():
                 return cls("accepted", f"compensation of step {event.step!r} retried")
+            case RetryBroughtForward():
+                return cls("accepted", f"step {event.step!r} tries now")
             case CompensationStarted():
                 plan = ", ".join(event.steps) if event.steps else "nothing to undo"
                 return cls("accepted", f"compensating ({event.trigger}): {plan}")
@@ -124,7 +128,8 @@ def add_parsers(commands: Any) -> None:
         parser = actions.add_parser(action, help=description, description=description)
         parser.add_argument("task_id")
         if action in _TAKES_STEP:
-            parser.add_argument("--step", default=None, help="the step (default: the one that failed)")
+            default = "the one waiting" if action == "try-now" else "the one that failed"
+            parser.add_argument("--step", default=None, help=f"the step (default: {default})")
         parser.add_argument("--command-id", default=None,
                             help="idempotency key of this command (default: a new one); resend it to retry safely")
         parser.add_argument("--operator", default=None, help="who acts (default: the login name)")

@@ -14,10 +14,18 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from schemas.messages import Event, StepFailed, StepRetryScheduled, StepStarted
+from schemas.messages import (
+    Event,
+    OperatorCommandRefused,
+    RetryBroughtForward,
+    RetryDue,
+    StepFailed,
+    StepRetryScheduled,
+    StepStarted,
+)
 from tests.kafka_helpers import wait_for
 from tests.system import System
-from tests.test_compensation_end_to_end import saga, start
+from tests.test_compensation_end_to_end import operator, saga, start
 from tests.test_undo_chaos import inconsistency, records_per_order
 
 __all__ = ["saga"]
@@ -131,3 +139,38 @@ def test_every_task_waits_out_a_20_s_outage_and_completes_with_calls_held_to_the
     assert deferrals, "attempts the open breaker refused were deferred"
     failures = Counter(e.task_id for e in history if isinstance(e, StepFailed))
     assert max(failures.values(), default=0) < 5, f"deferrals spent no failed attempts: {failures}"
+
+
+def test_an_operators_try_now_starts_the_waiting_attempt_at_once_and_the_old_timer_then_changes_nothing(
+        saga: System) -> None:
+    saga.admin.set_faults("payments/charge", throttle_rate=1.0, retry_after_s=600)
+    start(saga)
+    saga.submit("impatient", workflow=WORKFLOW)
+    assert wait_for(lambda: saga.statuses().get("impatient") == "waiting", timeout_s=60), saga.logs_tail()
+    listed = saga.cli("tasks", "--state", "waiting", "--json")
+    assert listed.returncode == 0 and '"impatient"' in listed.stdout, listed.stderr
+    (step,) = [s for s in saga.steps("impatient") if s["status"] == "waiting"]
+    assert step["step"] == "charge" and step["retry_at"] / 1000 - time.time() > 500, "ten minutes away"
+
+    saga.admin.clear_faults("payments/charge")
+    asked = time.time()
+    answer = operator(saga, "try-now", "impatient", "--wait")
+    assert answer.returncode == 0 and "tries now" in answer.stdout, answer.stdout + answer.stderr
+    assert saga.wait_terminal(["impatient"], timeout_s=60) == {"impatient": "completed"}
+    calls = [a["at"] for a in saga.admin.arrivals()["payments/charge"]["impatient:charge"]]
+    assert len(calls) == 2 and calls[1] - asked < 30, "the attempt started at once, not in ten minutes"
+
+    events = saga.events("impatient")
+    (timer,) = [e for e in events if isinstance(e, StepRetryScheduled)]
+    # The old timer's firing, sent again by hand: it names a timer the task has moved past (its time has not
+    # come either; tests/test_decider_timers.py fires a stale one after its time). An operator command sent
+    # after it on the same partition shows when it has been handled.
+    saga.producer.send(saga.layout.inbox, RetryDue(task_id="impatient", step=timer.step, attempt=timer.attempt,
+                                                   not_before=timer.not_before))
+    saga.producer.flush()
+    assert operator(saga, "try-now", "impatient", "--wait").returncode != 0, "nothing waits any more: refused"
+    after = saga.events("impatient")
+    assert [type(e) for e in after[len(events):]] == [OperatorCommandRefused], "the old timer changed nothing"
+    assert [type(e) for e in events].count(RetryBroughtForward) == 1
+    assert inconsistency("completed", records_per_order(saga.admin.records())["impatient"], after,
+                         saga.admin.records()["tombstones"]) is None

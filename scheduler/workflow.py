@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
 
-Escalation = Literal["error", "compensate"]
+Escalation = Literal["error", "compensate", "backoff"]
 
 DEFAULT_QUEUE_TIMEOUT_S = 300.0
 """How long an attempt's request may wait for an agent to take it (schedule-to-start). Generous: a wait
@@ -154,6 +154,11 @@ class Step:
 @dataclass(frozen=True)
 class Workflow:
     """``failure_threshold``: failed attempts of one step (timeouts included) before escalation.
+    ``escalation``: what a step that gives up does to its task: ``error`` (stop, alert an operator),
+    ``compensate`` (undo what completed), or ``backoff``: past the threshold the step waits
+    ``long_backoff_s``, then gets a fresh round of attempts (its failure count starts again; its call budget
+    does not, so the budget stays exact), up to ``backoff_rounds`` extra rounds, then escalates as
+    ``after_backoff`` says. A permanent failure or a spent budget escalates at once: waiting cannot help.
     ``input_model``: the pydantic model a task's input must satisfy, checked on every way in (client, CLI,
     HTTP, outbox) before anything is produced, so a missing or mistyped field is refused naming it instead
     of running the task with it; None accepts any JSON object."""
@@ -164,6 +169,9 @@ class Workflow:
     failure_threshold: int = 3
     escalation: Escalation = "error"
     input_model: type[BaseModel] | None = None
+    long_backoff_s: float = 300.0
+    backoff_rounds: int = 3
+    after_backoff: Literal["error", "compensate"] = "error"
 
     def __post_init__(self) -> None:
         if self.version < 1:
@@ -175,6 +183,8 @@ class Workflow:
             raise ValueError(f"workflow {self.name}: step names must be unique")
         if self.failure_threshold < 1:
             raise ValueError(f"workflow {self.name}: failure_threshold must be at least 1")
+        if self.long_backoff_s <= 0 or self.backoff_rounds < 0:
+            raise ValueError(f"workflow {self.name}: long_backoff_s must be positive and backoff_rounds not negative")
 
     def input_errors(self, data: Mapping[str, Any]) -> list[tuple[str, str]]:
         """(field path, message) of each way ``data`` fails the input model; empty when it satisfies it."""

@@ -196,6 +196,8 @@ class StepRetryScheduled(Event):
     compensation: bool = False
     deferred_attempt_id: str | None = Field(default=None, description="the attempt this deferral ends, which "
                                                                       "made no call")
+    new_round: bool = Field(default=False, description="a long back-off past the failure threshold: the step's "
+                                                       "failure count starts again when it ends")
 
 
 class RetryBroughtForward(Event):

@@ -108,7 +108,10 @@ REGISTRY = WorkflowRegistry.of([
             Step("i", "agent-i", timeout_s=4, attempt_budget=3, calls_per_attempt=2, backoff=Backoff(initial_s=1)),
         ),
         failure_threshold=3,
-        escalation="compensate",
+        escalation="backoff",
+        long_backoff_s=60,
+        backoff_rounds=1,
+        after_backoff="compensate",
     ),
 ])
 LIMITS = Limits(max_in_flight=2)
@@ -302,7 +305,8 @@ class DeciderMachine(RuleBasedStateMachine):
             self.check_fired(command, before, events, now)
         suggested = timedelta(seconds=command.retry_after_s or 0) if isinstance(command, StepResult) else timedelta()
         for timer in (e for e in events if isinstance(e, StepRetryScheduled)):
-            note("timer set" + (" (deferral)" if timer.deferred_attempt_id else ""))
+            note("timer set" + (" (deferral)" if timer.deferred_attempt_id else " (new round)" if timer.new_round
+                                else ""))
             assert timer.not_before >= now + suggested, "the next attempt waits at least what the agent asked"
         if isinstance(command, StepResult) and command.deferred and before is not None \
                 and before.current_step is not None and before.steps[before.current_step].lock == command.attempt_id \
@@ -393,8 +397,10 @@ class DeciderMachine(RuleBasedStateMachine):
     @staticmethod
     def check_monotonic(before: TaskState, after: TaskState, events: tuple[Event, ...]) -> None:
         """Steps are never forgotten; attempt numbers only grow; failure counts and calls used only grow,
-        except that an operator's resubmit or retry opens a new round for the step it names."""
-        resubmitted = {e.step for e in events if isinstance(e, StepResubmitted)}
+        except that an operator's resubmit or retry opens a new round for the step it names (and a long
+        back-off's new round starts the failure count again, never the calls used)."""
+        resubmitted = {e.step for e in events if isinstance(e, StepResubmitted)
+                       or (isinstance(e, StepRetryScheduled) and e.new_round)}
         retried = {e.step for e in events if isinstance(e, CompensationRetried)}
         assert len(after.steps) >= len(before.steps)
         for old, new in zip(before.steps, after.steps, strict=False):
@@ -403,6 +409,7 @@ class DeciderMachine(RuleBasedStateMachine):
             assert new.compensation.attempt >= old.compensation.attempt
             if old.name not in resubmitted:
                 assert new.failure_count >= old.failure_count
+            if old.name not in {e.step for e in events if isinstance(e, StepResubmitted)}:
                 assert new.calls_used >= old.calls_used
             if old.name not in retried:
                 assert new.compensation.failure_count >= old.compensation.failure_count

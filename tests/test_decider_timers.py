@@ -31,7 +31,9 @@ BACKOFF = Backoff(initial_s=2, multiplier=3, max_s=10, jitter=0)
 FLOW = Workflow("flow", 1, (Step("pay", "payments", attempt_budget=4, calls_per_attempt=2, backoff=BACKOFF,
                                  compensation=Compensation("refund", backoff=BACKOFF)),),
                 failure_threshold=3, escalation="compensate")
-REGISTRY = WorkflowRegistry.of([FLOW])
+PATIENT = Workflow("patient", 1, (Step("pay", "payments", attempt_budget=5, calls_per_attempt=1, backoff=BACKOFF),),
+                   failure_threshold=2, escalation="backoff", long_backoff_s=600, backoff_rounds=1)
+REGISTRY = WorkflowRegistry.of([FLOW, PATIENT])
 
 
 def run(state: TaskState | None, command: Command, now: datetime = NOW) -> tuple[TaskState, tuple[Event, ...]]:
@@ -142,3 +144,31 @@ def test_an_operators_try_now_starts_the_waiting_attempt_at_once_and_the_old_tim
 def test_try_now_without_a_waiting_step_is_refused() -> None:
     _, events = run(started(), OperatorCommand(task_id="t", command_id="c1", action="try-now"))
     assert [type(e).__name__ for e in events] == ["OperatorCommandRefused"]
+
+
+def last_timer(events: tuple[Event, ...]) -> StepRetryScheduled:
+    timer = events[-1]
+    assert isinstance(timer, StepRetryScheduled)
+    return timer
+
+
+def test_past_the_threshold_a_backoff_escalation_waits_the_long_period_then_starts_a_fresh_round_then_escalates(
+) -> None:
+    state, _ = run(None, SubmitTask(task_id="t", workflow="patient", input={}))
+    state, events = run(state, failure(state))
+    short = last_timer(events)
+    state, _ = run(state, fire_for(short), short.not_before)
+    state, events = run(state, failure(state), short.not_before)  # the second failure: the threshold
+    long = last_timer(events)
+    assert long.new_round and long.not_before == short.not_before + timedelta(seconds=600)
+    assert "long back-off" in long.reason and "round 2 of 2" in long.reason
+    assert (state.steps[0].status, state.steps[0].failure_count, state.steps[0].rounds) == ("waiting", 0, 1)
+    assert state.steps[0].calls_used == 2, "a new round starts the failure count again, never the budget"
+
+    state, _ = run(state, fire_for(long), long.not_before)
+    state, events = run(state, failure(state), long.not_before)
+    again = last_timer(events)
+    assert not again.new_round, "the fresh round backs off between its attempts as the first did"
+    state, _ = run(state, fire_for(again), again.not_before)
+    state, events = run(state, failure(state), again.not_before)  # no rounds left: after_backoff (error)
+    assert state.status == "error" and [type(e).__name__ for e in events][-2:] == ["TaskFailed", "OperatorAlert"]

@@ -174,3 +174,22 @@ def test_an_operators_try_now_starts_the_waiting_attempt_at_once_and_the_old_tim
     assert [type(e) for e in events].count(RetryBroughtForward) == 1
     assert inconsistency("completed", records_per_order(saga.admin.records())["impatient"], after,
                          saga.admin.records()["tombstones"]) is None
+
+
+def test_past_the_threshold_a_backoff_escalation_waits_the_long_period_then_the_step_succeeds(saga: System) -> None:
+    saga.admin.set_faults("payments/charge", fail_next=3)  # two attempts fail (the threshold), then one more
+    start(saga)
+    saga.submit("patient", workflow="orders-backoff")
+    assert saga.wait_terminal(["patient"], timeout_s=90) == {"patient": "completed"}
+
+    events = saga.events("patient")
+    timers = [e for e in events if isinstance(e, StepRetryScheduled)]
+    assert [t.new_round for t in timers] == [False, True, False], "back-off, the long one, back-off again"
+    long = timers[1]
+    assert long.not_before - long.occurred_at == timedelta(seconds=8)
+    ((_, starts),) = [(t, s) for t, s in timers_and_starts(events) if t.new_round]
+    assert len(starts) == 1 and starts[0].occurred_at >= long.not_before
+    calls = [a["at"] for a in saga.admin.arrivals()["payments/charge"]["patient:charge"]]
+    assert len(calls) == 4 and calls[2] - calls[1] >= 8.0, "no call while the long back-off ran"
+    assert inconsistency("completed", records_per_order(saga.admin.records())["patient"], events,
+                         saga.admin.records()["tombstones"]) is None

@@ -164,6 +164,20 @@ ORDERS_OUTAGE = Workflow(
     escalation="compensate",
 )
 
+# A long back-off past the threshold (tests/test_timers_end_to_end.py): two failed attempts, then 8 s of
+# waiting and a fresh round, up to two more rounds, then undo.
+ORDERS_BACKOFF = Workflow(
+    name="orders-backoff",
+    version=1,
+    steps=tuple(replace(step, backoff=Backoff(initial_s=0.5, jitter=0.0), calls_per_attempt=1)
+                for step in _compensated_order_steps()),
+    failure_threshold=2,
+    escalation="backoff",
+    long_backoff_s=8.0,
+    backoff_rounds=2,
+    after_backoff="compensate",
+)
+
 COMPENSATION_REGISTRY = WorkflowRegistry.of([ORDERS_V1, ORDERS_V2, ORDERS_COMP, ORDERS_HOLD, ORDERS_PATIENT,
                                              ORDERS_ONCE, ORDERS_CHAOS, ORDERS_COMP_QUICK_START, ORDERS_UNFENCED,
-                                             ORDERS_WAITING, ORDERS_OUTAGE])
+                                             ORDERS_WAITING, ORDERS_OUTAGE, ORDERS_BACKOFF])

@@ -87,21 +87,23 @@ def _retry_or_escalate(builder: Builder, workflow: Workflow, index: int, result:
     A step with no budget left escalates now rather than after a wait that could only end in escalating.
     """
     step = builder.state.steps[index]
-    if step.failure_count >= workflow.failure_threshold:
-        _escalate(
-            builder,
-            workflow,
-            step.name,
-            f"failure threshold reached: {step.failure_count} failed attempts of step {step.name!r} "
-            f"(threshold {workflow.failure_threshold})",
-        )
-        return
     spec = workflow.steps[index]
+    kind = result.error_kind if result is not None else "timeout"
+    if step.failure_count >= workflow.failure_threshold:
+        reason = (f"failure threshold reached: {step.failure_count} failed attempts of step {step.name!r} "
+                  f"(threshold {workflow.failure_threshold})")
+        if (workflow.escalation == "backoff" and step.rounds < workflow.backoff_rounds
+                and spec.attempt_budget - step.calls_used > 0):
+            schedule(builder, index, step.attempt + 1, workflow.long_backoff_s,
+                     f"long back-off: {reason}; round {step.rounds + 2} of {workflow.backoff_rounds + 1} after "
+                     f"{workflow.long_backoff_s:g}s", compensation=False, kind=kind, new_round=True)
+            return
+        _escalate(builder, workflow, step.name, reason)
+        return
     delay = wait_s(spec.backoff, step.failure_count, step.attempt_id or step.name, result)
     if delay <= 0 or spec.attempt_budget - step.calls_used <= 0:
         start_attempt(builder, workflow, index)
         return
-    kind = result.error_kind if result is not None else "timeout"
     schedule(builder, index, step.attempt + 1, delay,
              f"back-off after {step.failure_count} failed attempt(s) of step {step.name!r}: {step.error}",
              compensation=False, kind=kind)
@@ -144,9 +146,11 @@ def _escalate(builder: Builder, workflow: Workflow, step: str, reason: str) -> N
 
     Every path that stops retrying comes here. The workflow's policy chooses: ``error`` stops the task
     with an operator alert (an operator may resubmit the step or order compensation); ``compensate``
-    undoes the completed steps at once, and alerts only if that fails.
+    undoes the completed steps at once, and alerts only if that fails; ``backoff``, once its rounds are
+    spent (or waiting cannot help), does what ``after_backoff`` says.
     """
-    if workflow.escalation == "compensate":
+    policy = workflow.after_backoff if workflow.escalation == "backoff" else workflow.escalation
+    if policy == "compensate":
         begin_compensation(builder, workflow, "escalation", reason, step=step)
         return
     builder.emit(TaskFailed, step=step, reason=reason)

@@ -99,7 +99,8 @@ class StepState:
     operator's resubmit opens a new round. ``calls_allowed`` is what the current (or last) attempt was
     granted, kept so a timed-out attempt can be charged in full. ``error`` is the last failure's, kept
     across retries for operators. A ``waiting`` step has a ``timer`` for its next attempt (forward, or of
-    its undo while the task compensates) and no attempt in progress.
+    its undo while the task compensates) and no attempt in progress. ``rounds`` counts the long back-offs
+(a ``backoff`` escalation) the step has waited out, each followed by a fresh round of attempts.
     """
 
     name: str
@@ -114,6 +115,7 @@ class StepState:
     error: str | None = None
     compensation: CompensationState = field(default_factory=CompensationState)
     timer: Timer | None = None
+    rounds: int = 0
 
     @property
     def lock(self) -> str | None:

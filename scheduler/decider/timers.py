@@ -41,7 +41,7 @@ def defer_s(backoff: Backoff, failures: int, seed: str, result: StepResult) -> f
 
 
 def schedule(builder: Builder, index: int, attempt: int, delay_s: float, reason: str, *, compensation: bool,
-             kind: ErrorKind | None, deferred_attempt_id: str | None = None) -> None:
+             kind: ErrorKind | None, deferred_attempt_id: str | None = None, new_round: bool = False) -> None:
     """Record the timer for attempt ``attempt`` of step ``index``: ``not_before`` is ``delay_s`` from now,
     rounded up to the millisecond the log keeps, so the attempt is never early by a rounding."""
     not_before = utc_millis(builder.now) + timedelta(milliseconds=math.ceil(delay_s * 1000))
@@ -55,6 +55,7 @@ def schedule(builder: Builder, index: int, attempt: int, delay_s: float, reason:
         error_kind=kind,
         compensation=compensation,
         deferred_attempt_id=deferred_attempt_id,
+        new_round=new_round,
     )
 
 

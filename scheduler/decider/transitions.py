@@ -336,7 +336,12 @@ def _retry_scheduled(state: TaskState, event: StepRetryScheduled) -> TaskState:
         raise InvalidTransition(f"a timer for attempt {event.attempt} of step {step.name!r}: "
                                 f"the next is {next_attempt}")
     timer = Timer(event.attempt, event.not_before, event.reason, event.compensation)
-    return _with_step(state, event, index, replace(step, status="waiting", timer=timer))
+    waiting = replace(step, status="waiting", timer=timer)
+    if event.new_round:
+        if event.compensation or event.deferred_attempt_id is not None:
+            raise InvalidTransition(f"a new round of step {step.name!r} follows a failed forward attempt only")
+        waiting = replace(waiting, failure_count=0, rounds=step.rounds + 1)
+    return _with_step(state, event, index, waiting)
 
 
 def _check_timer(step: StepState, attempt: int, at: datetime, *, compensation: bool) -> None:

@@ -10,7 +10,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from scheduler.decider import Limits, TaskState, decide, fold
+import demo.workflows as demo
+from scheduler.decider import Limits, TaskState, decide, fold, pending
 from scheduler.decider.decision import Command
 from scheduler.workflow import Backoff, Compensation, Step, Workflow, WorkflowRegistry
 from schemas.messages import (
@@ -37,10 +38,7 @@ REGISTRY = WorkflowRegistry.of([FLOW, PATIENT])
 
 
 def run(state: TaskState | None, command: Command, now: datetime = NOW) -> tuple[TaskState, tuple[Event, ...]]:
-    decision = decide(command, state, registry=REGISTRY, now=now, in_flight=0, limits=Limits())
-    after = fold(decision.events, state)
-    assert after is not None
-    return after, decision.events
+    return decide_in(REGISTRY, state, command, now)
 
 
 def started() -> TaskState:
@@ -172,3 +170,33 @@ def test_past_the_threshold_a_backoff_escalation_waits_the_long_period_then_star
     state, _ = run(state, fire_for(again), again.not_before)
     state, events = run(state, failure(state), again.not_before)  # no rounds left: after_backoff (error)
     assert state.status == "error" and [type(e).__name__ for e in events][-2:] == ["TaskFailed", "OperatorAlert"]
+
+
+def test_the_demos_orders_workflow_waits_out_a_one_minute_outage_without_failing_or_compensating() -> None:
+    """Every attempt fails at once while the outage lasts (the worst case: only back-off spends time)."""
+    registry = demo.REGISTRY
+    state, _ = decide_in(registry, None, SubmitTask(task_id="o", workflow="orders", input={}), NOW)
+    outage_ends = NOW + timedelta(seconds=demo.OUTAGE_RIDDEN_S)
+    now = NOW
+    while not state.is_terminal:
+        now += timedelta(milliseconds=100)
+        due = pending(state)
+        if due is not None:
+            now = max(now, due.not_before)
+            state, _ = decide_in(registry, state, due, now)
+            continue
+        assert state.current_step is not None
+        step = state.steps[state.current_step]
+        answer = StepResult(task_id="o", step=step.name, attempt_id=step.lock or "", ok=now >= outage_ends,
+                            output={}, error="503", calls=step.calls_allowed, error_kind="server_error")
+        state, _ = decide_in(registry, state, answer, now)
+    assert state.status == "completed" and state.workflow_version == 3
+    assert all(step.calls_used <= 30 for step in state.steps)
+
+
+def decide_in(registry: WorkflowRegistry, state: TaskState | None, command: Command,
+              now: datetime) -> tuple[TaskState, tuple[Event, ...]]:
+    decision = decide(command, state, registry=registry, now=now, in_flight=0, limits=Limits())
+    after = fold(decision.events, state)
+    assert after is not None
+    return after, decision.events

@@ -112,7 +112,8 @@ class Scheduler:
         # it on every submission, and counting would walk every task the partition ever held.
         self._live: dict[int, int] = {}
         self._firings = EventProducer(bootstrap)
-        self.timers = TimerQueue(self._fire, self._timer_is_current, stop or threading.Event())
+        self.timers = TimerQueue(self._fire, lambda: self._firings.flush(10.0), self._timer_is_current,
+                                 stop or threading.Event())
 
     # -- commands -----------------------------------------------------------------------------
 
@@ -147,7 +148,6 @@ class Scheduler:
     def _fire(self, partition: int, due: RetryDue) -> None:
         """A timer came due: ask for its attempt on the task's own inbox partition, like any command."""
         self._firings.send(self.layout.inbox, due, partition=partition)
-        self._firings.flush(10.0)
 
     def _timer_is_current(self, partition: int, due: RetryDue) -> bool:
         state = self._tasks.get(partition, {}).get(due.task_id)

@@ -33,8 +33,10 @@ FIRED = Counter("stepstream_timers_fired_total", "Timer firings sent to inbox", 
 LATENESS = Histogram("stepstream_timer_lateness_seconds", "How long after its not_before a timer's first firing "
                      "was sent", buckets=(0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 30))
 
-#: Sends one firing to ``inbox`` on the task's partition; raises if it could not be sent.
+#: Sends one firing to ``inbox`` on the task's partition (``Flush`` then waits until all are delivered).
 Send = Callable[[int, RetryDue], None]
+#: Waits until every firing sent is delivered; raises if any could not be.
+Flush = Callable[[], None]
 #: Whether a firing is still its task's current timer on this scheduler (False once the partition is gone).
 IsCurrent = Callable[[int, RetryDue], bool]
 
@@ -56,13 +58,17 @@ class TimerQueue:
     ``clock`` (epoch seconds) is injectable for tests.
     """
 
-    def __init__(self, send: Send, is_current: IsCurrent, stop: threading.Event, *, resend_s: float = 5.0,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, send: Send, flush: Flush, is_current: IsCurrent, stop: threading.Event, *,
+                 resend_s: float = 5.0, clock: Callable[[], float] = time.time, max_batch: int = 500) -> None:
         self._send = send
+        self._flush = flush
         self._is_current = is_current
         self._stop = stop
         self._resend_s = resend_s
         self._clock = clock
+        # Timers due together go out in batches of at most this many: the first ones reach the scheduler
+        # while the rest are still being sent.
+        self._max_batch = max_batch
         self._heap: list[_Entry] = []
         self._armed: dict[str, RetryDue] = {}
         self._seq = 0
@@ -94,41 +100,45 @@ class TimerQueue:
         return len(self._armed)
 
     def run(self) -> None:
-        """Fire timers as they come due until stopped; a send that fails is retried at the next resend."""
+        """Fire timers as they come due until stopped: every timer due is sent, then one flush for them all
+        (a burst of timers due together costs one round trip, not one each); a failed batch is resent."""
         while not self._stop.is_set():
-            entry = self._next_due()
-            if entry is None:
-                continue
-            if self._armed.get(entry.due.task_id) is not entry.due or not self._is_current(entry.partition, entry.due):
+            batch = [entry for entry in self._due() if self._armed.get(entry.due.task_id) is entry.due
+                     and self._is_current(entry.partition, entry.due)]
+            if not batch:
                 continue
             try:
-                self._send(entry.partition, entry.due)
-                FIRED.labels(str(entry.sent).lower()).inc()
-                if not entry.sent:
-                    LATENESS.observe(max(0.0, self._clock() - entry.at))
+                for entry in batch:
+                    self._send(entry.partition, entry.due)
+                self._flush()
+                for entry in batch:
+                    FIRED.labels(str(entry.sent).lower()).inc()
+                    if not entry.sent:
+                        LATENESS.observe(max(0.0, self._clock() - entry.at))
             except Exception as exc:  # a broker fault: the resend below tries again
-                log.warning("timer firing not sent", task_id=entry.due.task_id, step=entry.due.step,
-                            error=str(exc))
+                log.warning("timer firings not sent", timers=len(batch), error=str(exc))
             with self._wake:
-                if self._armed.get(entry.due.task_id) is entry.due:
-                    self._push(self._clock() + self._resend_s, entry.partition, entry.due, sent=True)
+                for entry in batch:
+                    if self._armed.get(entry.due.task_id) is entry.due:
+                        self._push(self._clock() + self._resend_s, entry.partition, entry.due, sent=True)
 
     def wake(self) -> None:
         """Let ``run`` see that it is stopping."""
         with self._wake:
             self._wake.notify_all()
 
-    def _next_due(self) -> _Entry | None:
-        """The earliest entry once it is due, sleeping until then; None when woken or stopping first."""
+    def _due(self) -> list[_Entry]:
+        """Every entry due now, sleeping until the earliest first; empty when woken or stopping before."""
         with self._wake:
-            if not self._heap:
-                self._wake.wait(timeout=1.0)
-                return None
-            wait_s = self._heap[0].at - self._clock()
+            wait_s = self._heap[0].at - self._clock() if self._heap else 1.0
             if wait_s > 0:
                 self._wake.wait(timeout=min(wait_s, 1.0))
-                return None
-            return heapq.heappop(self._heap)
+                return []
+            now = self._clock()
+            due: list[_Entry] = []
+            while self._heap and self._heap[0].at <= now and len(due) < self._max_batch:
+                due.append(heapq.heappop(self._heap))
+            return due
 
     def _push(self, at: float, partition: int, due: RetryDue, *, sent: bool = False) -> None:
         self._seq += 1

@@ -57,7 +57,7 @@ def fired() -> Fired:
 @pytest.fixture
 def queue(fired: Fired) -> Iterator[TimerQueue]:
     stop = threading.Event()
-    timers = TimerQueue(fired.send, fired.is_current, stop, resend_s=0.3)
+    timers = TimerQueue(fired.send, lambda: None, fired.is_current, stop, resend_s=0.3)
     thread = threading.Thread(target=timers.run, daemon=True)
     thread.start()
     yield timers

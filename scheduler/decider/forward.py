@@ -15,7 +15,7 @@ from scheduler.decider.compensation import begin_compensation
 from scheduler.decider.decision import Builder
 from scheduler.decider.ids import attempt_id
 from scheduler.decider.state import StepState
-from scheduler.decider.timers import defer_s, schedule, wait_s
+from scheduler.decider.timers import defer_s, schedule, suggested_s, wait_s
 from scheduler.workflow import Workflow
 from schemas.messages import (
     OperatorAlert,
@@ -94,7 +94,7 @@ def _retry_or_escalate(builder: Builder, workflow: Workflow, index: int, result:
                   f"(threshold {workflow.failure_threshold})")
         if (workflow.escalation == "backoff" and step.rounds < workflow.backoff_rounds
                 and spec.attempt_budget - step.calls_used > 0):
-            schedule(builder, index, step.attempt + 1, workflow.long_backoff_s,
+            schedule(builder, index, step.attempt + 1, max(workflow.long_backoff_s, suggested_s(result)),
                      f"long back-off: {reason}; round {step.rounds + 2} of {workflow.backoff_rounds + 1} after "
                      f"{workflow.long_backoff_s:g}s", compensation=False, kind=kind, new_round=True)
             return

@@ -23,11 +23,15 @@ from schemas.avro import utc_millis
 from schemas.messages import ErrorKind, RetryDue, StepResult, StepRetryScheduled
 
 
+def suggested_s(result: StepResult | None) -> float:
+    """The least wait the agent asked for (``Retry-After``, an open breaker's time left); 0 when none."""
+    return result.retry_after_s if result is not None and result.retry_after_s is not None else 0.0
+
+
 def wait_s(backoff: Backoff, failures: int, seed: str, result: StepResult | None) -> float:
     """Seconds before the next attempt: the back-off after ``failures`` failed attempts, at least what the
     agent asked for."""
-    suggested = result.retry_after_s if result is not None and result.retry_after_s is not None else 0.0
-    return max(backoff.delay_s(failures, seed), suggested)
+    return max(backoff.delay_s(failures, seed), suggested_s(result))
 
 
 DEFERRAL_MIN_S = 1.0

@@ -37,6 +37,7 @@ from agents.faults import (
     PermanentError,
     RetryBudgetExhausted,
     TransientError,
+    TransientKind,
     classify,
 )
 from agents.policy import AgentPolicy, DependencyPolicy, PolicyProvider, StaticPolicy
@@ -49,7 +50,7 @@ from eventstore.settings import ConsumerSettings, KafkaSettings
 from eventstore.topics import TopicLayout
 from eventstore.tracing import headers_of, span_for, tracer
 from schemas.avro import utc_millis
-from schemas.messages import AgentRequest, AttemptAccepted, StepResult
+from schemas.messages import AgentRequest, AttemptAccepted, ErrorKind, StepResult
 
 __all__ = [
     "Agent",
@@ -65,6 +66,12 @@ __all__ = [
 ]
 
 log = structlog.get_logger("stepstream.agent")
+
+_ERROR_KIND: dict[TransientKind, ErrorKind] = {
+    "throttled": "throttled", "timeout": "timeout", "connection": "connection", "server_error": "server_error",
+    "circuit_open": "breaker_open", "retry_budget": "budget_spent",
+}
+"""The agent's fault kinds as the scheduler knows them: a refusal to call is what the breaker or budget did."""
 
 _SECONDS = (0.005, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30)
 CALLS = Counter("stepstream_agent_calls_total", "Calls made to remote services, by outcome",
@@ -161,6 +168,7 @@ class Agent:
         calls = 0
         retries = 0
         last: TransientError | None = None
+        last_answered = started
         context = {"agent": self.name, "dependency": dep, "task_id": request.task_id, "step": request.step,
                    "attempt": request.attempt}
 
@@ -168,17 +176,31 @@ class Agent:
             return (deadline - self._now()).total_seconds()
 
         def answer(ok: bool, outcome: str, *, output: dict[str, Any] | None = None, error: str | None = None,
-                   permanent: bool = False) -> StepResult:
+                   permanent: bool = False, kind: ErrorKind | None = None,
+                   retry_after_s: float | None = None) -> StepResult:
             STEP_SECONDS.labels(self.name, dep, outcome).observe(self._monotonic() - started)
             return StepResult(task_id=request.task_id, step=request.step, attempt_id=request.attempt_id, ok=ok,
-                              output=output, error=error, permanent=permanent, calls=calls)
+                              output=output, error=error, permanent=permanent, calls=calls, error_kind=kind,
+                              retry_after_s=retry_after_s)
 
-        def give_up(reason: str, why: str) -> StepResult:
-            """Stop retrying: a transient failure, so the scheduler may try again within the step's budget."""
+        def give_up(reason: str, why: str, refused: TransientError | None = None) -> StepResult:
+            """Stop retrying: a transient failure, so the scheduler may try again within the step's budget.
+
+            What the agent learned goes back with it: the kind of the fault that stopped it (the refusal,
+            else the last call's) and the least the next attempt should wait, measured from now: a refusal's
+            (the breaker's remaining open time) or the service's ``Retry-After`` less the time since.
+            """
             GAVE_UP.labels(self.name, dep, reason).inc()
             error = f"{why} after {calls} call(s)" + (f"; last error: {last}" if last is not None else "")
             log.warning("attempt failed transiently", reason=reason, calls=calls, error=error, **context)
-            return answer(False, "transient", error=error)
+            fault = refused or last
+            wait: float | None = None
+            if refused is not None:
+                wait = refused.retry_after_s
+            elif last is not None and last.retry_after_s is not None:
+                wait = max(0.0, last.retry_after_s - (self._monotonic() - last_answered))
+            kind = _ERROR_KIND[fault.kind] if fault is not None else None
+            return answer(False, "transient", error=error, kind=kind, retry_after_s=wait)
 
         while True:
             policy, guard = self._guard()
@@ -194,7 +216,8 @@ class Agent:
             if calls >= request.calls_allowed:
                 return give_up("allowance", f"call allowance of {request.calls_allowed} spent")
             if not guard.breaker.try_acquire():
-                return give_up("circuit_open", str(CircuitOpenError(dep, guard.breaker.retry_in_s())))
+                refusal: TransientError = CircuitOpenError(dep, guard.breaker.retry_in_s())
+                return give_up("circuit_open", str(refusal), refusal)
             calls += 1
             if retries == 0:
                 guard.first_call()
@@ -225,11 +248,12 @@ class Agent:
                 CALLS.labels(self.name, dep, "permanent").inc()
                 log.error("permanent failure", cause=fault.kind, call=calls, error=str(fault),
                           exc_info=fault if fault.kind == "unexpected" else False, **context)
-                return answer(False, "permanent", error=str(fault), permanent=True)
+                return answer(False, "permanent", error=str(fault), permanent=True, kind="permanent")
 
             guard.breaker.record_failure()
             CALLS.labels(self.name, dep, "transient").inc()
             last = fault
+            last_answered = self._monotonic()
             log.warning("transient failure", cause=fault.kind, call=calls, error=str(fault),
                         retry_after_s=fault.retry_after_s, **context)
             if calls >= request.calls_allowed:
@@ -240,9 +264,11 @@ class Agent:
             if delay + guard.time_needed() >= remaining_s():
                 return give_up("deadline", f"the next call, {delay:.3f}s away, could not finish before the deadline")
             if guard.breaker.state is BreakerState.OPEN:
-                return give_up("circuit_open", str(CircuitOpenError(dep, guard.breaker.retry_in_s())))
+                refusal = CircuitOpenError(dep, guard.breaker.retry_in_s())
+                return give_up("circuit_open", str(refusal), refusal)
             if not guard.try_retry():
-                return give_up("retry_budget", str(RetryBudgetExhausted(dep)))
+                refusal = RetryBudgetExhausted(dep)
+                return give_up("retry_budget", str(refusal), refusal)
             retries += 1
             RETRIES.labels(self.name, dep, fault.kind).inc()
             log.info("retrying", cause=fault.kind, retry=retries, delay_s=round(delay, 3), **context)

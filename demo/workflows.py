@@ -1,14 +1,18 @@
 """The demo's workflow: an order reserved, charged and shipped.
 
-Version 1 leaves a task that cannot finish in ``error`` for an operator; version 2 (the latest) undoes
-what completed (release the reservation, refund the charge) in reverse order.
+Version 1 leaves a task that cannot finish in ``error`` for an operator; version 2 undoes what completed
+(release the reservation, refund the charge) in reverse order; version 3 (the latest, what ``stepstream up``
+and ``make demo`` run) first waits out an outage of its services: back-off between attempts, and past the
+failure threshold a long back-off and fresh rounds (``OUTAGE_RIDDEN_S``), before it undoes anything.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from pydantic import BaseModel, ConfigDict, Field
 
-from scheduler.workflow import Compensation, Step, Workflow, WorkflowRegistry
+from scheduler.workflow import Backoff, Compensation, Step, Workflow, WorkflowRegistry
 
 
 class OrderInput(BaseModel):
@@ -42,4 +46,17 @@ ORDERS_V1 = Workflow(name="orders", version=1, steps=_order_steps(compensated=Fa
 ORDERS_V2 = Workflow(name="orders", version=2, steps=_order_steps(compensated=True), failure_threshold=3,
                      escalation="compensate", input_model=OrderInput)
 
-REGISTRY = WorkflowRegistry.of([ORDERS_V1, ORDERS_V2])
+OUTAGE_RIDDEN_S = 60.0
+"""The outage of its services an order of the latest version waits out without failing or compensating, even
+when every attempt fails at once (tests/test_decider_timers.py): a round of three attempts backed off by 1 s
+and 2 s, then 20 s of waiting and a fresh round, three times, is over 60 s before the last round starts.
+Each attempt may make two calls and the step 30, enough for four rounds of three attempts (24 calls)."""
+
+ORDERS_V3 = Workflow(
+    name="orders", version=3,
+    steps=tuple(replace(step, attempt_budget=30, calls_per_attempt=2, backoff=Backoff(initial_s=1.0, max_s=10.0))
+                for step in _order_steps(compensated=True)),
+    failure_threshold=3, escalation="backoff", long_backoff_s=20.0, backoff_rounds=3, after_backoff="compensate",
+    input_model=OrderInput)
+
+REGISTRY = WorkflowRegistry.of([ORDERS_V1, ORDERS_V2, ORDERS_V3])

@@ -144,6 +144,16 @@ MIGRATIONS: tuple[tuple[int, Script], ...] = (
         create index steps_leased on steps (complete_by, task_id, step)
             where status in ('queued', 'processing', 'compensation_queued', 'compensating');
     """),
+    (5, """
+        -- a step waits for a timer before its next attempt (status waiting, forward or of its undo): when the
+        -- attempt may start and why it waits; the task shows the same (a forward wait makes it waiting)
+        alter table steps add column retry_at integer;
+        alter table steps add column wait_reason text;
+        alter table tasks add column retry_at integer;
+        alter table tasks add column wait_reason text;
+        -- dashboard: waiting steps, soonest retry first (partial: only waiting rows are in it)
+        create index steps_waiting on steps (retry_at, task_id, step) where status = 'waiting';
+    """),
 )
 
 

@@ -25,6 +25,7 @@ from schemas.messages import (
     MessageIgnored,
     OperatorAlert,
     OperatorCommandRefused,
+    RetryBroughtForward,
     StepAccepted,
     StepCompensated,
     StepCompensationFailed,
@@ -32,6 +33,7 @@ from schemas.messages import (
     StepCompensationStarted,
     StepFailed,
     StepResubmitted,
+    StepRetryScheduled,
     StepStarted,
     StepSucceeded,
     TaskAccepted,
@@ -101,8 +103,10 @@ def project(db: Executor, event: Event) -> None:
                 (event.task_id, event.step, event.step_index, step_status, event.attempt, event.attempt_id,
                  deadline, at, at, start_by),
             )
-            db.execute("update tasks set status = ?, current_step = ? where task_id = ?",
-                       (TaskStatus.RUNNING, event.step, event.task_id))
+            db.execute("update tasks set status = ?, current_step = ?, retry_at = null, wait_reason = null "
+                       "where task_id = ?", (TaskStatus.RUNNING, event.step, event.task_id))
+            db.execute("update steps set retry_at = null, wait_reason = null where task_id = ? and step = ?",
+                       (event.task_id, event.step))
         case StepAccepted():
             db.execute(
                 "update steps set status = ?, complete_by = ?, accepted_at = ?, waited_ms = ?, updated_at = ? "
@@ -140,8 +144,12 @@ def project(db: Executor, event: Event) -> None:
         case CompensationStarted():
             # An operator's compensation of a task in error keeps the error that put it there.
             error = None if event.trigger == "operator" else _headline(event.step, event.reason)
-            db.execute("update tasks set status = ?, current_step = null, error = coalesce(?, error) "
-                       "where task_id = ?", (TaskStatus.COMPENSATING, error, event.task_id))
+            db.execute("update tasks set status = ?, current_step = null, error = coalesce(?, error), "
+                       "retry_at = null, wait_reason = null where task_id = ?",
+                       (TaskStatus.COMPENSATING, error, event.task_id))
+            # A forward retry still waiting never runs: its step is a failed one to undo (as the decider has it).
+            db.execute("update steps set status = ?, retry_at = null, wait_reason = null "
+                       "where task_id = ? and status = ?", (StepStatus.FAILED, event.task_id, StepStatus.WAITING))
         case StepCompensationSkipped():
             db.execute("update steps set status = ?, updated_at = ? where task_id = ? and step = ?",
                        (StepStatus.COMPENSATION_SKIPPED, at, event.task_id, event.step))
@@ -154,7 +162,10 @@ def project(db: Executor, event: Event) -> None:
                 "where task_id = ? and step = ?",
                 (step_status, event.attempt, event.attempt_id, deadline, at, at, start_by, event.task_id, event.step),
             )
-            db.execute("update tasks set current_step = ? where task_id = ?", (event.step, event.task_id))
+            db.execute("update tasks set current_step = ?, retry_at = null, wait_reason = null where task_id = ?",
+                       (event.step, event.task_id))
+            db.execute("update steps set retry_at = null, wait_reason = null where task_id = ? and step = ?",
+                       (event.task_id, event.step))
         case StepCompensated():
             db.execute(
                 "update steps set status = ?, compensation_calls_used = compensation_calls_used + ?, "
@@ -181,6 +192,19 @@ def project(db: Executor, event: Event) -> None:
         case TaskCompensationFailed():
             db.execute("update tasks set status = ?, current_step = null, error = ? where task_id = ?",
                        (TaskStatus.COMPENSATION_FAILED, _headline(event.step, event.reason), event.task_id))
+        case StepRetryScheduled():
+            retry_at = ms(event.not_before)
+            db.execute("update steps set status = ?, retry_at = ?, wait_reason = ?, updated_at = ? "
+                       "where task_id = ? and step = ?",
+                       (StepStatus.WAITING, retry_at, event.reason, at, event.task_id, event.step))
+            # A forward wait is the task's state; an undo's leaves it compensating, with when and why it waits.
+            db.execute("update tasks set status = case when ? then status else ? end, current_step = null, "
+                       "retry_at = ?, wait_reason = ? where task_id = ?",
+                       (event.compensation, TaskStatus.WAITING, retry_at, event.reason, event.task_id))
+        case RetryBroughtForward():
+            db.execute("update steps set retry_at = ?, updated_at = ? where task_id = ? and step = ?",
+                       (at, at, event.task_id, event.step))
+            db.execute("update tasks set retry_at = ? where task_id = ?", (at, event.task_id))
         case MessageIgnored() | OperatorCommandRefused():
             pass
     db.execute(task_update, (event.sequence, at, event.task_id))

@@ -35,7 +35,7 @@ T = TypeVar("T")
 # Tables that are not part of the projection: never compared, never swapped.
 BOOKKEEPING = frozenset({"schema_migrations", "sqlite_sequence", "sqlite_stat1", "sqlite_stat4"})
 TASK_COLUMNS = ("task_id, workflow, workflow_version, status, sequence, current_step, failure_count, error, "
-                "created_at, updated_at")
+                "created_at, updated_at, retry_at, wait_reason")
 
 
 def _status_in(statuses: Sequence[StepStatus]) -> str:
@@ -316,6 +316,11 @@ class Store(ABC):
         """Attempts waiting for an agent to take them (forward or compensating), longest waiting first."""
         return self._dicts(f"select * from steps where {_status_in(STEPS_WAITING)} "
                            "order by queued_at, task_id, step limit ?", (limit,))
+
+    def waiting_steps(self, limit: int = 50) -> list[dict[str, Any]]:
+        """Steps waiting for a timer before their next attempt (forward or undo), soonest retry first."""
+        return self._dicts("select * from steps where status = 'waiting' order by retry_at, task_id, step limit ?",
+                           (limit,))
 
     def queue_waits(self, since_ms: int) -> dict[str, Any]:
         """How long attempts taken since ``since_ms`` waited for an agent: count, mean and longest (ms)."""

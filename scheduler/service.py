@@ -10,6 +10,10 @@ An attempt's request carries its start-by and the length of its work deadline; t
 acknowledges on ``inbox`` (``AttemptAccepted``) and the decider records ``StepAccepted``, which starts the
 work deadline (see ``scheduler.workflow.Step``).
 
+A retry that must wait is a timer in the task's state (``StepRetryScheduled``); the scheduler keeps a queue
+of the current timers of the tasks it owns, rebuilt with every restore, and fires each when due by
+sending ``RetryDue`` to ``inbox`` (``scheduler.timers``), which the decider turns into the attempt.
+
 Compensation attempts are agent requests like forward ones, to the compensation's agent, with the step's
 compensation idempotency key. Sensitive output fields are sealed on their way to ``events`` and opened
 when a partition is restored (``scheduler.sealing``); the agents get clear values, as their services need.
@@ -41,8 +45,11 @@ from scheduler.decider import (
     decide,
     evolve,
     idempotency_key,
+    pending,
+    same_timer,
 )
 from scheduler.sealing import EventSealer
+from scheduler.timers import TimerQueue
 from scheduler.traces import record_spans
 from scheduler.workflow import WorkflowRegistry
 from schemas.messages import (
@@ -53,6 +60,7 @@ from schemas.messages import (
     Message,
     OperatorCommand,
     RecoverStep,
+    RetryDue,
     StatusUpdate,
     StepCompensated,
     StepCompensationStarted,
@@ -94,7 +102,7 @@ class Scheduler:
     """Holds the state of the tasks on the partitions it owns; everything else is the decider's."""
 
     def __init__(self, *, bootstrap: str, layout: TopicLayout, registry: WorkflowRegistry, limits: Limits,
-                 keyring: Keyring | None = None) -> None:
+                 keyring: Keyring | None = None, stop: threading.Event | None = None) -> None:
         self.bootstrap = bootstrap
         self.layout = layout
         self.registry = registry
@@ -107,12 +115,15 @@ class Scheduler:
         # Non-terminal tasks per partition, kept up to date as states change: admission control asks for
         # it on every submission, and counting would walk every task the partition ever held.
         self._live: dict[int, int] = {}
+        self._firings = EventProducer(bootstrap)
+        self.timers = TimerQueue(self._fire, lambda: self._firings.flush(10.0), self._timer_is_current,
+                                 stop or threading.Event())
 
     # -- commands -----------------------------------------------------------------------------
 
     def handle(self, record: Record, output: EventProducer) -> None:
         command = record.message
-        if not isinstance(command, (SubmitTask, StepResult, RecoverStep, OperatorCommand, AttemptAccepted)):
+        if not isinstance(command, (SubmitTask, StepResult, RecoverStep, OperatorCommand, AttemptAccepted, RetryDue)):
             raise PoisonMessageError(f"{type(command).__name__} is not a command the scheduler takes")
         tasks = self._tasks.setdefault(record.partition, {})
         state = tasks.get(command.task_id)
@@ -127,6 +138,7 @@ class Scheduler:
                 record_spans(event, before)
         if state is not None:
             tasks[command.task_id] = state
+            self.timers.arm(record.partition, pending(state), state.task_id)
             live = self._live.get(record.partition, 0) + (not state.is_terminal) - was_live
             self._live[record.partition] = live
             IN_FLIGHT.labels(str(record.partition)).set(live)
@@ -136,6 +148,17 @@ class Scheduler:
 
     def in_flight(self, partition: int) -> int:
         return self._live.get(partition, 0)
+
+    # -- timers -------------------------------------------------------------------------------
+
+    def _fire(self, partition: int, due: RetryDue) -> None:
+        """A timer came due: ask for its attempt on the task's own inbox partition, like any command."""
+        self._firings.send(self.layout.inbox, due, partition=partition)
+
+    def _timer_is_current(self, partition: int, due: RetryDue) -> bool:
+        state = self._tasks.get(partition, {}).get(due.task_id)
+        current = pending(state) if state is not None else None
+        return current is not None and same_timer(current, due)
 
     def _effects(self, event: Event, state: TaskState, command: Message, output: EventProducer) -> None:
         if isinstance(event, StepStarted | StepCompensationStarted):
@@ -210,6 +233,8 @@ class Scheduler:
                     event = self.sealer.unseal(record.message)
                     tasks[event.task_id] = evolve(tasks.get(event.task_id), event)
             self._tasks[tp.partition] = tasks
+            for state in tasks.values():
+                self.timers.arm(tp.partition, pending(state), state.task_id)
             self._live[tp.partition] = sum(1 for state in tasks.values() if not state.is_terminal)
             IN_FLIGHT.labels(str(tp.partition)).set(self.in_flight(tp.partition))
             log.info("partition restored", partition=tp.partition, tasks=len(tasks),
@@ -217,7 +242,7 @@ class Scheduler:
 
     def forget(self, partitions: list[TopicPartition]) -> None:
         for tp in partitions:
-            self._tasks.pop(tp.partition, None)
+            self.timers.forget(set(self._tasks.pop(tp.partition, {})))
             self._live.pop(tp.partition, None)
 
     def restore_all(self) -> None:
@@ -233,7 +258,10 @@ def build_scheduler(kafka: KafkaSettings, consumer: ConsumerSettings, registry: 
                     stop_event: threading.Event | None = None, keyring: Keyring | None = None) -> ConsumerRuntime:
     layout = TopicLayout.from_settings(kafka)
     bootstrap = kafka.resolved_bootstrap()
-    scheduler = Scheduler(bootstrap=bootstrap, layout=layout, registry=registry, limits=limits, keyring=keyring)
+    stop_event = stop_event or threading.Event()
+    scheduler = Scheduler(bootstrap=bootstrap, layout=layout, registry=registry, limits=limits, keyring=keyring,
+                          stop=stop_event)
+    threading.Thread(target=scheduler.timers.run, name="timers", daemon=True).start()
     # A stable instance name lets a restarted scheduler fence its own zombie at once.
     transactional_id = f"{layout.prefix}scheduler-{instance or uuid.uuid4().hex}"
 

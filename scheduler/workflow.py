@@ -6,13 +6,14 @@ registered while tasks of the old one are still in flight; both run side by side
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
 
-Escalation = Literal["error", "compensate"]
+Escalation = Literal["error", "compensate", "backoff"]
 
 DEFAULT_QUEUE_TIMEOUT_S = 300.0
 """How long an attempt's request may wait for an agent to take it (schedule-to-start). Generous: a wait
@@ -23,6 +24,38 @@ surfaces as a timed-out attempt."""
 
 class WorkflowNotFoundError(LookupError):
     """No workflow registered under that name (and version)."""
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """How long a step (or a compensation) waits between a failed attempt and the next one.
+
+    Exponential: ``initial_s`` after the first failure, times ``multiplier`` after each further one, capped
+    at ``max_s``, then spread by up to ``jitter`` of itself either way so that tasks failing together do
+    not all come back at once. A delay the agent reports (``Retry-After``, an open breaker's remaining
+    time) is a floor on top of it. ``initial_s`` 0 (the default, as before timers existed) retries at once
+    unless the agent asked for a wait.
+
+    The jitter is drawn from a hash of the attempt's identity, not a random source: the decider must decide
+    the same way on every replay.
+    """
+
+    initial_s: float = 0.0
+    multiplier: float = 2.0
+    max_s: float = 60.0
+    jitter: float = 0.2
+
+    def __post_init__(self) -> None:
+        if self.initial_s < 0 or self.max_s < self.initial_s or self.multiplier < 1 or not 0 <= self.jitter < 1:
+            raise ValueError("back-off needs 0 <= initial_s <= max_s, multiplier >= 1 and 0 <= jitter < 1")
+
+    def delay_s(self, failures: int, seed: str) -> float:
+        """Seconds to wait after the ``failures``-th failed attempt (1, 2, ...), jittered by ``seed``."""
+        if self.initial_s == 0 or failures < 1:
+            return 0.0
+        base = min(self.max_s, self.initial_s * self.multiplier ** min(failures - 1, 64))
+        unit = int.from_bytes(hashlib.sha256(seed.encode()).digest()[:8], "big") / 2**64
+        return base * (1 + self.jitter * (2 * unit - 1))
 
 
 @dataclass(frozen=True)
@@ -45,6 +78,7 @@ class Compensation:
     calls_per_attempt: int = 3
     queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S
     forward_may_land_s: float | None = None
+    backoff: Backoff = Backoff()
 
     def __post_init__(self) -> None:
         if not self.agent:
@@ -78,6 +112,8 @@ class Step:
     ``sensitive_output`` classifies the step's output: ``True`` marks every top-level field, a set of
     names marks those fields. Marked fields are encrypted wherever the event log keeps them, and the
     compensation inherits the marking: what it is given and what it answers derive from the marked data.
+
+    ``backoff`` spaces its attempts (see :class:`Backoff`); the compensation declares its own.
     """
 
     name: str
@@ -88,6 +124,7 @@ class Step:
     compensation: Compensation | None = None
     sensitive_output: bool | frozenset[str] = False
     queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S
+    backoff: Backoff = Backoff()
 
     def __post_init__(self) -> None:
         if not self.name or not self.agent:
@@ -117,6 +154,11 @@ class Step:
 @dataclass(frozen=True)
 class Workflow:
     """``failure_threshold``: failed attempts of one step (timeouts included) before escalation.
+    ``escalation``: what a step that gives up does to its task: ``error`` (stop, alert an operator),
+    ``compensate`` (undo what completed), or ``backoff``: past the threshold the step waits
+    ``long_backoff_s``, then gets a fresh round of attempts (its failure count starts again; its call budget
+    does not, so the budget stays exact), up to ``backoff_rounds`` extra rounds, then escalates as
+    ``after_backoff`` says. A permanent failure or a spent budget escalates at once: waiting cannot help.
     ``input_model``: the pydantic model a task's input must satisfy, checked on every way in (client, CLI,
     HTTP, outbox) before anything is produced, so a missing or mistyped field is refused naming it instead
     of running the task with it; None accepts any JSON object."""
@@ -127,6 +169,9 @@ class Workflow:
     failure_threshold: int = 3
     escalation: Escalation = "error"
     input_model: type[BaseModel] | None = None
+    long_backoff_s: float = 300.0
+    backoff_rounds: int = 3
+    after_backoff: Literal["error", "compensate"] = "error"
 
     def __post_init__(self) -> None:
         if self.version < 1:
@@ -138,6 +183,8 @@ class Workflow:
             raise ValueError(f"workflow {self.name}: step names must be unique")
         if self.failure_threshold < 1:
             raise ValueError(f"workflow {self.name}: failure_threshold must be at least 1")
+        if self.long_backoff_s <= 0 or self.backoff_rounds < 0:
+            raise ValueError(f"workflow {self.name}: long_backoff_s must be positive and backoff_rounds not negative")
 
     def input_errors(self, data: Mapping[str, Any]) -> list[tuple[str, str]]:
         """(field path, message) of each way ``data`` fails the input model; empty when it satisfies it."""

@@ -18,6 +18,10 @@ from schemas.states import progress
 Timestamp = Annotated[datetime, AfterValidator(utc_millis)]
 JsonObject = dict[str, Any]
 
+ErrorKind = Literal["throttled", "timeout", "connection", "server_error", "breaker_open", "budget_spent",
+                   "permanent"]
+"""Why an attempt failed, as its agent saw it: the scheduler waits differently for each (see ``StepResult``)."""
+
 
 def new_id() -> str:
     return uuid.uuid4().hex
@@ -175,6 +179,36 @@ class OperatorAlert(Event):
     step: str | None = None
 
 
+class StepRetryScheduled(Event):
+    """A timer: the next attempt of ``step`` (numbered ``attempt``) starts no earlier than ``not_before``.
+
+    The step is ``waiting`` until the scheduler fires the timer (``RetryDue``) or an operator asks to try
+    now. Written after a failed attempt that must back off, or in place of one that was refused without a
+    call (``deferred_attempt_id``: an open breaker or a spent retry budget), which ends that attempt
+    without counting it as failed. ``compensation``: the attempt is one of the step's undo.
+    """
+
+    step: str
+    step_index: int = Field(ge=0)
+    attempt: int = Field(ge=1, description="the number of the attempt the timer starts")
+    not_before: Timestamp
+    reason: str
+    error_kind: ErrorKind | None = None
+    compensation: bool = False
+    deferred_attempt_id: str | None = Field(default=None, description="the attempt this deferral ends, which "
+                                                                      "made no call")
+    new_round: bool = Field(default=False, description="a long back-off past the failure threshold: the step's "
+                                                       "failure count starts again when it ends")
+
+
+class RetryBroughtForward(Event):
+    """An operator asked a waiting step to try now: its timer is moved to now, so the old one is stale."""
+
+    step: str
+    command_id: str
+    operator: str | None = None
+
+
 # ---- compensation events -------------------------------------------------------------------------
 # The compensation log is the event log: CompensationStarted names the plan, then each completed step is
 # undone (or skipped) in reverse completion order, then TaskCompensated or TaskCompensationFailed.
@@ -309,7 +343,13 @@ class SubmitTask(Message):
 
 
 class StepResult(Message):
-    """An agent's answer for one attempt."""
+    """An agent's answer for one attempt.
+
+    A failure says what the agent learned: ``error_kind``, and ``retry_after_s``, the least the next
+    attempt should wait (the service's ``Retry-After``, or its breaker's remaining open time); the
+    scheduler never starts the next attempt earlier. A ``breaker_open`` or ``budget_spent`` answer with no
+    call made is a deferral, not a failed attempt. Results written before these fields carry neither.
+    """
 
     kind: ClassVar[str] = "command"
 
@@ -320,6 +360,13 @@ class StepResult(Message):
     error: str | None = None
     permanent: bool = False
     calls: int = Field(default=1, ge=0)
+    error_kind: ErrorKind | None = Field(default=None, description="why the attempt failed (None: unknown or ok)")
+    retry_after_s: float | None = Field(default=None, ge=0, description="the next attempt waits at least this long")
+
+    @property
+    def deferred(self) -> bool:
+        """The agent refused to call (open breaker, spent retry budget) and made no call: nothing failed."""
+        return not self.ok and self.calls == 0 and self.error_kind in ("breaker_open", "budget_spent")
 
 
 class AttemptAccepted(Message):
@@ -338,6 +385,21 @@ class AttemptAccepted(Message):
     accepted_at: Timestamp
 
 
+class RetryDue(Message):
+    """The scheduler's timer for a waiting step fired: start the attempt it was set for.
+
+    Names the timer exactly (step, attempt number, ``not_before``, forward or undo), so a timer the task
+    has moved past -- fired twice, after a restart, or overtaken by an operator's try-now -- changes nothing.
+    """
+
+    kind: ClassVar[str] = "command"
+
+    step: str
+    attempt: int = Field(ge=1)
+    not_before: Timestamp
+    compensation: bool = False
+
+
 class RecoverStep(Message):
     """The supervisor asks the scheduler to recover an attempt whose deadline passed."""
 
@@ -347,15 +409,15 @@ class RecoverStep(Message):
     reason: str
 
 
-OperatorAction = Literal["resubmit", "compensate", "cancel", "retry-compensation"]
+OperatorAction = Literal["resubmit", "compensate", "cancel", "retry-compensation", "try-now"]
 
 
 class OperatorCommand(Message):
     """An operator's intervention on one task. The same ``command_id`` again changes nothing.
 
-    ``step`` names the step for ``resubmit`` and ``retry-compensation`` (default: the one that failed);
-    ``compensate`` and ``cancel`` act on the whole task. The outcome is an event naming ``command_id``:
-    ``OperatorCommandRefused``, or the transition it caused.
+    ``step`` names the step for ``resubmit`` and ``retry-compensation`` (default: the one that failed) and
+    ``try-now`` (default: the one waiting); ``compensate`` and ``cancel`` act on the whole task. The outcome
+    is an event naming ``command_id``: ``OperatorCommandRefused``, or the transition it caused.
     """
 
     kind: ClassVar[str] = "command"
@@ -441,4 +503,7 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     LateResultRecorded,
     StepAccepted,
     AttemptAccepted,
+    StepRetryScheduled,
+    RetryBroughtForward,
+    RetryDue,
 )

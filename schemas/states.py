@@ -16,10 +16,14 @@ from enum import StrEnum
 
 
 class TaskStatus(StrEnum):
-    """Where a task stands. The order is the order the API, the CLI and the dashboard list them in."""
+    """Where a task stands. The order is the order the API, the CLI and the dashboard list them in.
+
+    ``waiting`` is the store's: a running task whose step waits for its retry timer (the decider keeps the
+    task ``running`` and the step ``waiting``)."""
 
     ACCEPTED = "accepted"
     RUNNING = "running"
+    WAITING = "waiting"
     COMPLETED = "completed"
     ERROR = "error"
     COMPENSATING = "compensating"
@@ -47,6 +51,7 @@ class StepStatus(StrEnum):
     COMPENSATED = "compensated"
     COMPENSATION_FAILED = "compensation_failed"
     COMPENSATION_SKIPPED = "compensation_skipped"
+    WAITING = "waiting"
 
 
 TERMINAL: frozenset[TaskStatus] = frozenset({

@@ -178,7 +178,7 @@ def test_a_429_with_retry_after_makes_the_next_call_wait_at_least_that_long(
     assert warning["log_level"] == "warning" and warning["cause"] == "throttled" and warning["retry_after_s"] == 1.0
 
 
-def test_a_retry_after_beyond_the_deadline_ends_the_attempt_at_once_instead_of_waiting(
+def test_a_retry_after_beyond_the_deadline_ends_the_attempt_at_once_and_hands_the_wait_to_the_scheduler(
     service: ServiceProcess, admin: OrdersAdmin,
 ) -> None:
     admin.set_faults(OP, throttle_rate=1.0, retry_after_s=30)
@@ -188,6 +188,8 @@ def test_a_retry_after_beyond_the_deadline_ends_the_attempt_at_once_instead_of_w
     assert not result.ok and not result.permanent and result.calls == 1
     assert "could not finish before the deadline" in (result.error or "")
     assert time.monotonic() - started < 1.0
+    assert result.error_kind == "throttled" and not result.deferred
+    assert result.retry_after_s is not None and 29 < result.retry_after_s <= 30, "what is left of the wait asked"
 
 
 def test_a_permanent_refusal_is_answered_after_exactly_one_call_and_logged_as_an_error(
@@ -198,7 +200,7 @@ def test_a_permanent_refusal_is_answered_after_exactly_one_call_and_logged_as_an
     req = request()
     with capture_logs() as logs:
         result = worker.execute(req)
-    assert not result.ok and result.permanent and result.calls == 1
+    assert not result.ok and result.permanent and result.calls == 1 and result.error_kind == "permanent"
     assert "422" in (result.error or "")
     assert requests_at_service(admin, req.idempotency_key) == 1
     assert [e["log_level"] for e in logs if e["event"] == "permanent failure"] == ["error"]
@@ -276,6 +278,8 @@ def test_the_breaker_opens_under_sustained_failure_stops_calls_probes_and_closes
     assert state() == 2, "open"
     fast = [worker.execute(request()) for _ in range(5)]
     assert all(r.calls == 0 and not r.ok and not r.permanent and "circuit breaker" in (r.error or "") for r in fast)
+    assert all(r.deferred and r.error_kind == "breaker_open" for r in fast), "refused without a call: deferred"
+    assert all(r.retry_after_s is not None and 0 < r.retry_after_s <= 1.0 for r in fast), "the breaker's time left"
     assert requests_at_service(admin) == 3, "no call reached the service while open"
 
     time.sleep(1.1)
@@ -302,6 +306,7 @@ def test_a_breaker_opening_mid_attempt_stops_that_attempts_retries(
                               breaker=BreakerPolicy(failure_threshold=2, window_s=60, open_for_s=30))
     result = agent(service, policy).execute(request())
     assert result.calls == 2 and not result.permanent and "circuit breaker" in (result.error or "")
+    assert result.error_kind == "breaker_open" and not result.deferred, "it made calls: a failed attempt"
     assert requests_at_service(admin) == 2
 
 

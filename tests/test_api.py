@@ -160,8 +160,8 @@ def test_an_invalid_parameter_gets_a_422_naming_it(client: TestClient, query: st
 def test_openapi_describes_every_endpoint(client: TestClient) -> None:
     paths = client.get("/openapi.json").json()["paths"]
     assert set(paths) == {"/api/tasks", "/api/tasks/{task_id}", "/api/counts", "/api/steps/stuck",
-                          "/api/steps/queued", "/api/steps/failed", "/api/alerts", "/api/dlq", "/api/dlq/summary",
-                          "/api/lag", "/api/throughput", "/api/health"}
+                          "/api/steps/queued", "/api/steps/waiting", "/api/steps/failed", "/api/alerts", "/api/dlq",
+                          "/api/dlq/summary", "/api/lag", "/api/throughput", "/api/health"}
     assert {p["name"] for p in paths["/api/tasks"]["get"]["parameters"]} == {
         "state", "workflow", "since", "until", "limit", "cursor"}
 

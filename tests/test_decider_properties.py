@@ -1,5 +1,10 @@
 """Property tests of the decider: random command sequences against a small registry keep every invariant.
 
+Timers are part of it: a workflow version with back-off on its steps and its undo, results that carry an
+error kind and a suggested delay (``Retry-After``) or that were refused without a call (deferred), and
+timers fired on time, early, twice or stale. No attempt ever starts before its timer's ``not_before``,
+and a deferral charges nothing against the budget or the failure threshold.
+
 Hypothesis drives a scheduler of three tasks with submissions (repeats and contradictions included),
 successes and transient or permanent failures for current, stale and made-up attempt ids (forward and
 compensating), agents' acknowledgements (taken early, late, twice, for stale attempts), recoveries at times
@@ -19,6 +24,7 @@ from collections import Counter
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
+from hypothesis import event as note
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
@@ -32,12 +38,13 @@ from scheduler.decider import (
     decide,
     fold,
 )
-from scheduler.workflow import Compensation, Step, Workflow, WorkflowRegistry
+from scheduler.workflow import Backoff, Compensation, Step, Workflow, WorkflowRegistry
 from schemas.codec import default_codec
 from schemas.messages import (
     AttemptAccepted,
     CompensationRetried,
     CompensationStarted,
+    ErrorKind,
     Event,
     LateResultRecorded,
     MessageIgnored,
@@ -46,12 +53,15 @@ from schemas.messages import (
     OperatorCommand,
     OperatorCommandRefused,
     RecoverStep,
+    RetryBroughtForward,
+    RetryDue,
     StepAccepted,
     StepCompensated,
     StepCompensationSkipped,
     StepCompensationStarted,
     StepResubmitted,
     StepResult,
+    StepRetryScheduled,
     StepStarted,
     SubmitTask,
     TaskAccepted,
@@ -86,16 +96,33 @@ REGISTRY = WorkflowRegistry.of([
         failure_threshold=2,
         escalation="compensate",
     ),
+    Workflow(
+        "flow",
+        4,
+        (
+            Step("h", "agent-h", timeout_s=4, attempt_budget=4, calls_per_attempt=2,
+                 backoff=Backoff(initial_s=5, multiplier=2, max_s=20),
+                 compensation=Compensation("undo-h", timeout_s=2, attempt_budget=3, calls_per_attempt=1,
+                                           backoff=Backoff(initial_s=3, max_s=10))),
+            Step("i", "agent-i", timeout_s=4, attempt_budget=3, calls_per_attempt=2, backoff=Backoff(initial_s=1)),
+        ),
+        failure_threshold=3,
+        escalation="backoff",
+        long_backoff_s=60,
+        backoff_rounds=1,
+        after_backoff="compensate",
+    ),
 ])
 LIMITS = Limits(max_in_flight=2)
 TASKS = ("t1", "t2", "t3")
 START = datetime(2025, 1, 1, tzinfo=UTC)
-ACTIONS: tuple[OperatorAction, ...] = ("resubmit", "compensate", "cancel", "retry-compensation")
+ACTIONS: tuple[OperatorAction, ...] = ("resubmit", "compensate", "cancel", "retry-compensation", "try-now")
 
 tasks = st.sampled_from(TASKS)
 # Weighted towards the attempt in progress and towards success, so runs get past their first step.
 attempt_choices = st.sampled_from(["current", "current", "current", "stale", "made-up"])
 outcomes = st.sampled_from(["ok", "ok", "ok", "transient", "permanent"])
+kinds = st.sampled_from([None, "server_error", "throttled", "timeout", "breaker_open", "budget_spent"])
 
 
 class DeciderMachine(RuleBasedStateMachine):
@@ -107,27 +134,47 @@ class DeciderMachine(RuleBasedStateMachine):
         self.states: dict[str, TaskState | None] = dict.fromkeys(TASKS)
         self.histories: dict[str, list[Event]] = {task: [] for task in TASKS}
         self.attempts: dict[str, list[str]] = {task: [] for task in TASKS}
+        self.timers: dict[str, list[RetryDue]] = {task: [] for task in TASKS}
 
     # ---- commands -------------------------------------------------------------------------------
 
     @rule(task=tasks, workflow=st.sampled_from([("flow", None), ("flow", 1), ("flow", 2), ("flow", 3),
-                                                ("nope", None)]),
+                                                ("flow", 4), ("nope", None)]),
           data=st.sampled_from([{"n": 1}, {"n": 2}]))
     def submit(self, task: str, workflow: tuple[str, int | None], data: dict[str, int]) -> None:
         name, version = workflow
         self.run(SubmitTask(task_id=task, workflow=name, workflow_version=version, input=data), self.clock)
 
     @rule(task=tasks, which=attempt_choices, pick=st.integers(0, 20),
-          outcome=outcomes, calls=st.integers(0, 4))
-    def result(self, task: str, which: str, pick: int, outcome: str, calls: int) -> None:
+          outcome=outcomes, calls=st.integers(0, 4), kind=kinds, retry_after_s=st.sampled_from([None, 0, 2.5, 10, 40]))
+    def result(self, task: str, which: str, pick: int, outcome: str, calls: int, kind: ErrorKind | None,
+               retry_after_s: float | None) -> None:
         attempt = self.attempt(task, which, pick)
+        failed = outcome != "ok"
         self.run(
-            StepResult(task_id=task, step=attempt.split(":")[1], attempt_id=attempt, ok=outcome == "ok",
-                       output={"by": attempt} if outcome == "ok" else None,
-                       error=None if outcome == "ok" else outcome, permanent=outcome == "permanent",
-                       calls=calls),
+            StepResult(task_id=task, step=attempt.split(":")[1], attempt_id=attempt, ok=not failed,
+                       output=None if failed else {"by": attempt},
+                       error=outcome if failed else None, permanent=outcome == "permanent",
+                       calls=calls, error_kind=kind if failed else None,
+                       retry_after_s=retry_after_s if failed else None),
             self.clock,
         )
+
+    @rule(task=tasks, which=st.sampled_from(["current", "current", "stale", "made-up"]),
+          offset_ms=st.sampled_from([-1000, -1, 0, 0, 1, 700]))
+    def fire(self, task: str, which: str, offset_ms: int) -> None:
+        """A timer fires: the current one (on time, a little early or late), a stale one, or one never set."""
+        timers = self.timers[task]
+        current = self.waiting(task)
+        if which == "current" and current is not None:
+            due = current
+        elif which == "stale" and timers:
+            due = timers[offset_ms % len(timers)]
+        else:
+            due = RetryDue(task_id=task, step="h", attempt=7, not_before=self.clock)
+        now = max(self.clock, due.not_before + timedelta(milliseconds=offset_ms))
+        self.run(RetryDue(task_id=task, step=due.step, attempt=due.attempt, not_before=due.not_before,
+                          compensation=due.compensation), now)
 
     @rule(task=tasks, which=attempt_choices, pick=st.integers(0, 20), taken_after=st.integers(-5, 400))
     def acknowledge(self, task: str, which: str, pick: int, taken_after: int) -> None:
@@ -164,6 +211,8 @@ class DeciderMachine(RuleBasedStateMachine):
             "compensation_failed": "retry-compensation",
             "running": "cancel" if undo else "resubmit",
         }
+        if self.waiting(task) is not None:
+            actions = {"running": "cancel" if undo else "try-now", "compensating": "try-now"}
         self.run(OperatorCommand(task_id=task, command_id=command_id, action=actions.get(status, "compensate")),
                  self.clock)
 
@@ -178,6 +227,15 @@ class DeciderMachine(RuleBasedStateMachine):
         if which == "stale" and self.attempts[task]:
             return self.attempts[task][pick % len(self.attempts[task])]
         return f"{task}:a:{pick + 1}" if pick % 2 else f"{task}:d:undo:{pick + 1}"
+
+    def waiting(self, task: str) -> RetryDue | None:
+        """The firing of the task's current timer, if a step of it waits."""
+        state = self.states[task]
+        for step in state.steps if state is not None else ():
+            if step.status == "waiting" and step.timer is not None:
+                return RetryDue(task_id=task, step=step.name, attempt=step.timer.attempt,
+                                not_before=step.timer.not_before, compensation=step.timer.compensation)
+        return None
 
     def in_progress(self, task: str) -> StepState | None:
         state = self.states[task]
@@ -197,6 +255,9 @@ class DeciderMachine(RuleBasedStateMachine):
         self.histories[command.task_id].extend(decision.events)
         self.attempts[command.task_id].extend(
             e.attempt_id for e in decision.events if isinstance(e, StepStarted | StepCompensationStarted))
+        self.timers[command.task_id].extend(
+            RetryDue(task_id=e.task_id, step=e.step, attempt=e.attempt, not_before=e.not_before,
+                     compensation=e.compensation) for e in decision.events if isinstance(e, StepRetryScheduled))
 
     # ---- checks on each decision ----------------------------------------------------------------
 
@@ -239,6 +300,44 @@ class DeciderMachine(RuleBasedStateMachine):
                 assert [type(e) for e in events] == [MessageIgnored]
         if isinstance(command, OperatorCommand) and before is not None:
             self.check_operator(command, before, events, after)
+        if isinstance(command, RetryDue) and before is not None:
+            self.check_fired(command, before, events, now)
+        suggested = timedelta(seconds=command.retry_after_s or 0) if isinstance(command, StepResult) else timedelta()
+        for timer in (e for e in events if isinstance(e, StepRetryScheduled)):
+            note("timer set" + (" (deferral)" if timer.deferred_attempt_id else " (new round)" if timer.new_round
+                                else ""))
+            assert timer.not_before >= now + suggested, "the next attempt waits at least what the agent asked"
+        if isinstance(command, StepResult) and command.deferred and before is not None \
+                and before.current_step is not None and before.steps[before.current_step].lock == command.attempt_id \
+                and not before.is_terminal:
+            self.check_deferred(before, events, after)
+
+    @staticmethod
+    def check_fired(command: RetryDue, before: TaskState, events: tuple[Event, ...], now: datetime) -> None:
+        """A timer starts its attempt only if it is the step's current timer and due; anything else is silent."""
+        step = next((s for s in before.steps if s.name == command.step), None)
+        timer = step.timer if step is not None else None
+        current = (step is not None and step.status == "waiting" and timer is not None and not before.is_terminal
+                   and (timer.attempt, timer.not_before, timer.compensation)
+                   == (command.attempt, command.not_before, command.compensation))
+        if not current or now < command.not_before:
+            assert events == (), "a stale or early timer changes nothing and records nothing"
+            return
+        assert events, "a current, due timer starts its attempt (or escalates, with no budget left)"
+        started = [e for e in events if isinstance(e, StepStarted | StepCompensationStarted)]
+        assert all(e.attempt == command.attempt for e in started)
+        note("timer fired")
+
+    @staticmethod
+    def check_deferred(before: TaskState, events: tuple[Event, ...], after: TaskState | None) -> None:
+        """An attempt refused without a call ends in a timer, not a failure: nothing charged, nothing counted."""
+        assert before.current_step is not None and after is not None
+        assert [type(e) for e in events] == [StepRetryScheduled]
+        old, new = before.steps[before.current_step], after.steps[before.current_step]
+        assert new.status == "waiting" and after.current_step is None
+        assert (new.failure_count, new.calls_used) == (old.failure_count, old.calls_used)
+        assert (new.compensation.failure_count, new.compensation.calls_used) == (
+            old.compensation.failure_count, old.compensation.calls_used)
 
     @staticmethod
     def check_accepted(command: AttemptAccepted, current: StepState, events: tuple[Event, ...],
@@ -297,8 +396,10 @@ class DeciderMachine(RuleBasedStateMachine):
     @staticmethod
     def check_monotonic(before: TaskState, after: TaskState, events: tuple[Event, ...]) -> None:
         """Steps are never forgotten; attempt numbers only grow; failure counts and calls used only grow,
-        except that an operator's resubmit or retry opens a new round for the step it names."""
-        resubmitted = {e.step for e in events if isinstance(e, StepResubmitted)}
+        except that an operator's resubmit or retry opens a new round for the step it names (and a long
+        back-off's new round starts the failure count again, never the calls used)."""
+        resubmitted = {e.step for e in events if isinstance(e, StepResubmitted)
+                       or (isinstance(e, StepRetryScheduled) and e.new_round)}
         retried = {e.step for e in events if isinstance(e, CompensationRetried)}
         assert len(after.steps) >= len(before.steps)
         for old, new in zip(before.steps, after.steps, strict=False):
@@ -307,6 +408,7 @@ class DeciderMachine(RuleBasedStateMachine):
             assert new.compensation.attempt >= old.compensation.attempt
             if old.name not in resubmitted:
                 assert new.failure_count >= old.failure_count
+            if old.name not in {e.step for e in events if isinstance(e, StepResubmitted)}:
                 assert new.calls_used >= old.calls_used
             if old.name not in retried:
                 assert new.compensation.failure_count >= old.compensation.failure_count
@@ -322,13 +424,18 @@ class DeciderMachine(RuleBasedStateMachine):
             busy = [i for i, step in enumerate(state.steps) if step.status in ("processing", "compensating")]
             assert len(busy) <= 1
             assert state.current_step == (busy[0] if busy else None)
-            # Between commands a live task always has an attempt out: retries and next steps start at once.
+            # Between commands a live task always has an attempt out, or exactly one step waiting for its timer.
+            waiting = [step for step in state.steps if step.status == "waiting"]
+            assert len(busy) + len(waiting) <= 1
+            assert all(step.timer is not None for step in waiting)
             if state.status == "running":
-                assert busy and state.steps[busy[0]].status == "processing"
+                assert waiting or (busy and state.steps[busy[0]].status == "processing")
+                assert all(step.timer is not None and not step.timer.compensation for step in waiting)
             elif state.status == "compensating":
-                assert busy and state.steps[busy[0]].status == "compensating"
+                assert waiting or (busy and state.steps[busy[0]].status == "compensating")
+                assert all(step.timer is not None and step.timer.compensation for step in waiting)
             else:
-                assert state.status in TERMINAL and not busy
+                assert state.status in TERMINAL and not busy and not waiting
 
     @invariant()
     def an_attempts_deadline_is_its_start_by_while_queued_and_never_past_start_by_plus_its_timeout(self) -> None:
@@ -441,6 +548,22 @@ class DeciderMachine(RuleBasedStateMachine):
             if state.status == "completed":
                 assert [s.name for s in state.steps] == [s.name for s in workflow.steps]
                 assert all(s.status == "succeeded" for s in state.steps)
+
+    @invariant()
+    def no_attempt_starts_before_the_not_before_of_its_timer(self) -> None:
+        for history in self.histories.values():
+            timers: dict[tuple[str, bool, int], datetime] = {}
+            last: dict[str, tuple[str, bool, int]] = {}
+            for e in history:
+                if isinstance(e, StepRetryScheduled):
+                    last[e.step] = (e.step, e.compensation, e.attempt)
+                    timers[last[e.step]] = e.not_before
+                elif isinstance(e, RetryBroughtForward):  # an operator's try-now: the timer is now
+                    timers[last[e.step]] = min(timers[last[e.step]], e.occurred_at)
+                elif isinstance(e, StepStarted | StepCompensationStarted):
+                    not_before = timers.get((e.step, isinstance(e, StepCompensationStarted), e.attempt))
+                    assert not_before is None or e.occurred_at >= not_before, \
+                        f"{e.attempt_id} started at {e.occurred_at}, its timer said {not_before}"
 
     @invariant()
     def attempt_ids_are_never_reused(self) -> None:

@@ -20,6 +20,7 @@ from schemas.messages import (
     CompensationStarted,
     Event,
     StepFailed,
+    StepRetryScheduled,
     StepStarted,
     StepSucceeded,
     TaskAccepted,
@@ -56,6 +57,11 @@ def task_events(task_id: str, state: str, *, workflow: str = "orders", version: 
     add(StepStarted, step="charge", step_index=0, attempt=1, attempt_id=attempt,
         complete_by=at + timedelta(seconds=30), calls_allowed=3)
     if state == "running":
+        return events
+    if state == "waiting":
+        add(StepFailed, step="charge", attempt_id=attempt, error="503", permanent=False, calls=1, failure_count=1)
+        add(StepRetryScheduled, step="charge", step_index=0, attempt=2, not_before=at + timedelta(seconds=8),
+            reason="back-off after 1 failed attempt(s)", error_kind="server_error")
         return events
     if state == "completed":
         add(StepSucceeded, step="charge", attempt_id=attempt, output={}, calls=1)
@@ -139,12 +145,12 @@ def test_json_prints_one_parseable_object_per_task_newest_first_and_nothing_else
     assert [r["task_id"] for r in rows] == ids_newest_first(mixed)
     assert {r["task_id"]: r["status"] for r in rows} == STATE_OF, "every state, as the projection holds it"
     newest = rows[0]
-    assert newest["created_at"] == int((START + timedelta(seconds=23)).timestamp() * 1000)
+    assert newest["created_at"] == int((START + timedelta(seconds=len(STATE_OF) - 1)).timestamp() * 1000)
     assert set(newest) >= {"task_id", "workflow", "workflow_version", "status", "error", "created_at", "updated_at"}
 
 
 @pytest.mark.parametrize("states", [["error"], ["compensation_failed"], ["error", "rejected"],
-                                    ["running", "accepted", "running"]])
+                                    ["running", "accepted", "running"], ["waiting"]])
 def test_the_state_filter_lists_only_tasks_in_the_states_given(
     mixed: list[list[Event]], capsys: pytest.CaptureFixture[str], states: list[str],
 ) -> None:
@@ -188,8 +194,8 @@ def test_limit_lists_the_newest_tasks_and_the_table_says_more_match(
     assert [line.split()[0] for line in lines[1:5]] == ids_newest_first(mixed)[:4]
     assert lines[-1].startswith("4 tasks") and "--all" in lines[-1]
 
-    code, out, _ = run(capsys, "--limit", "24")
-    assert out.splitlines()[-1] == "24 tasks", "no hint when nothing more matches"
+    code, out, _ = run(capsys, "--limit", str(len(STATE_OF)))
+    assert out.splitlines()[-1] == f"{len(STATE_OF)} tasks", "no hint when nothing more matches"
 
 
 def test_the_table_shows_id_workflow_and_version_state_times_in_utc_and_a_truncated_error(
@@ -212,7 +218,7 @@ def test_the_table_shows_id_workflow_and_version_state_times_in_utc_and_a_trunca
 def test_all_pages_through_every_task_once_whatever_the_page_size(
     mixed: list[list[Event]], capsys: pytest.CaptureFixture[str],
 ) -> None:
-    for limit in ("1", "2", "5", "23", "24", "100"):
+    for limit in ("1", "2", "5", str(len(STATE_OF) - 1), str(len(STATE_OF)), "100"):
         code, out, _ = run(capsys, "--json", "--all", "--limit", limit)
         assert code == 0
         assert [r["task_id"] for r in json_lines(out)] == ids_newest_first(mixed), limit

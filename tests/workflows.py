@@ -6,7 +6,7 @@ from dataclasses import replace
 from typing import Any
 
 from demo.workflows import OrderInput
-from scheduler.workflow import Compensation, Step, Workflow, WorkflowRegistry
+from scheduler.workflow import Backoff, Compensation, Step, Workflow, WorkflowRegistry
 
 # charge allows 4 s an attempt: three attempts outlast a dead agent's group session (6 s) plus a restart,
 # so a test that SIGKILLs the payments agent sees the step recovered rather than escalated.
@@ -137,5 +137,47 @@ ORDERS_UNFENCED = Workflow(
     escalation="compensate",
 )
 
+# ---- timers (tests/test_timers_end_to_end.py) ----------------------------------------------------------
+# Steps that wait between attempts: a fixed back-off (no jitter, so a test knows when each timer is due) of
+# 6 s, long enough for a scheduler SIGKILLed while timers pend to come back before most of them are due, and
+# one call an attempt, so every failed call is a failed attempt the scheduler waits after. The charge's
+# attempt (3 s) is shorter than a Retry-After of 10 s: the agent hands that wait back to the scheduler.
+ORDERS_WAITING = Workflow(
+    name="orders-waiting",
+    version=1,
+    steps=tuple(replace(step, backoff=Backoff(initial_s=6.0, jitter=0.0), calls_per_attempt=1,
+                        compensation=replace(step.compensation, backoff=Backoff(initial_s=1.0))
+                        if step.compensation is not None else None)
+                for step in _compensated_order_steps()),
+    failure_threshold=5,
+    escalation="compensate",
+)
+
+# Waits out an outage (tests/test_timers_end_to_end.py): a back-off growing from 1 s to 8 s, and five failed
+# attempts a step before it gives up. Attempts the agents' open breakers refuse are deferred, not failures,
+# so an outage of 20 s spends few of them.
+ORDERS_OUTAGE = Workflow(
+    name="orders-outage",
+    version=1,
+    steps=tuple(replace(step, backoff=Backoff(initial_s=1.0, max_s=8.0)) for step in _compensated_order_steps()),
+    failure_threshold=5,
+    escalation="compensate",
+)
+
+# A long back-off past the threshold (tests/test_timers_end_to_end.py): two failed attempts, then 8 s of
+# waiting and a fresh round, up to two more rounds, then undo.
+ORDERS_BACKOFF = Workflow(
+    name="orders-backoff",
+    version=1,
+    steps=tuple(replace(step, backoff=Backoff(initial_s=0.5, jitter=0.0), calls_per_attempt=1)
+                for step in _compensated_order_steps()),
+    failure_threshold=2,
+    escalation="backoff",
+    long_backoff_s=8.0,
+    backoff_rounds=2,
+    after_backoff="compensate",
+)
+
 COMPENSATION_REGISTRY = WorkflowRegistry.of([ORDERS_V1, ORDERS_V2, ORDERS_COMP, ORDERS_HOLD, ORDERS_PATIENT,
-                                             ORDERS_ONCE, ORDERS_CHAOS, ORDERS_COMP_QUICK_START, ORDERS_UNFENCED])
+                                             ORDERS_ONCE, ORDERS_CHAOS, ORDERS_COMP_QUICK_START, ORDERS_UNFENCED,
+                                             ORDERS_WAITING, ORDERS_OUTAGE, ORDERS_BACKOFF])

@@ -40,7 +40,7 @@ one public face (this module) and the service beside them does the I/O. One job 
 task is), ``transitions`` (``evolve``, ``fold``), ``ids`` (event ids, locks, keys, digests), ``decision``
 (a decision and its builder), ``dispatch`` (``decide``), ``relevance`` (whether a message concerns the
 attempt in progress), ``admission``, ``attempts`` (what forward and undo attempts share), ``forward``,
-``compensation`` and ``operator``. Callers import from here only.
+``compensation``, ``operator`` and ``timers`` (waiting between attempts). Callers import from here only.
 """
 
 from scheduler.decider.admission import DEFAULT_MAX_IN_FLIGHT, Limits
@@ -59,6 +59,7 @@ from scheduler.decider.state import (
     StepState,
     TaskState,
 )
+from scheduler.decider.timers import pending, same_timer
 from scheduler.decider.transitions import InvalidTransition, evolve, fold
 
 __all__ = [
@@ -79,4 +80,6 @@ __all__ = [
     "fold",
     "idempotency_key",
     "input_digest",
+    "pending",
+    "same_timer",
 ]

@@ -14,6 +14,7 @@ from scheduler.decider.attempts import alert_overspend, expiry, in_progress
 from scheduler.decider.decision import Builder
 from scheduler.decider.ids import compensation_attempt_id
 from scheduler.decider.state import StepState
+from scheduler.decider.timers import defer_s, schedule, wait_s
 from scheduler.workflow import Compensation, Workflow
 from schemas.messages import (
     CompensationStarted,
@@ -99,6 +100,13 @@ def on_compensation_result(builder: Builder, workflow: Workflow, result: StepRes
     """The current compensation attempt's agent answered: undo the next step, retry, or give up."""
     index, current = in_progress(builder.state)
     undo = current.compensation
+    if result.deferred:
+        compensation = _compensation_of(workflow, index)
+        schedule(builder, index, undo.attempt + 1,
+                 defer_s(compensation.backoff, undo.failure_count, f"{undo.attempt_id}/deferred", result),
+                 f"undo attempt {undo.attempt_id} deferred without a call: {result.error}", compensation=True,
+                 kind=result.error_kind, deferred_attempt_id=undo.attempt_id)
+        return
     charged = min(result.calls, undo.calls_allowed)
     if result.ok:
         builder.emit(StepCompensated, step=current.name, attempt_id=undo.attempt_id, output=result.output or {},
@@ -114,7 +122,14 @@ def on_compensation_result(builder: Builder, workflow: Workflow, result: StepRes
         _compensation_failed(builder, workflow, current.name,
                              f"permanent failure of the compensation of step {current.name!r}: {error}")
     else:
-        _retry_compensation_or_fail(builder, workflow, index)
+        _retry_compensation_or_fail(builder, workflow, index, result)
+
+
+def _compensation_of(workflow: Workflow, index: int) -> Compensation:
+    compensation = workflow.steps[index].compensation
+    if compensation is None:
+        raise ValueError(f"step {workflow.steps[index].name!r} has no compensation")
+    return compensation
 
 
 def on_compensation_timeout(builder: Builder, workflow: Workflow, recover: RecoverStep) -> None:
@@ -134,19 +149,29 @@ def on_compensation_timeout(builder: Builder, workflow: Workflow, recover: Recov
     _retry_compensation_or_fail(builder, workflow, index)
 
 
-def _retry_compensation_or_fail(builder: Builder, workflow: Workflow, index: int) -> None:
-    """The workflow's failure threshold bounds a compensation's failed attempts as it bounds a step's."""
+def _retry_compensation_or_fail(builder: Builder, workflow: Workflow, index: int,
+                                result: StepResult | None = None) -> None:
+    """The workflow's failure threshold bounds a compensation's failed attempts as it bounds a step's; below
+    it the next undo attempt waits out the compensation's back-off like a forward retry."""
     step = builder.state.steps[index]
-    if step.compensation.failure_count >= workflow.failure_threshold:
+    undo = step.compensation
+    if undo.failure_count >= workflow.failure_threshold:
         _compensation_failed(
             builder,
             workflow,
             step.name,
-            f"failure threshold reached: {step.compensation.failure_count} failed attempts of the compensation "
+            f"failure threshold reached: {undo.failure_count} failed attempts of the compensation "
             f"of step {step.name!r} (threshold {workflow.failure_threshold})",
         )
-    else:
+        return
+    compensation = _compensation_of(workflow, index)
+    delay = wait_s(compensation.backoff, undo.failure_count, undo.attempt_id or step.name, result)
+    if delay <= 0 or compensation.attempt_budget - undo.calls_used <= 0:
         start_compensation_attempt(builder, workflow, index)
+        return
+    schedule(builder, index, undo.attempt + 1, delay,
+             f"back-off after {undo.failure_count} failed undo attempt(s) of step {step.name!r}: {undo.error}",
+             compensation=True, kind=result.error_kind if result is not None else "timeout")
 
 
 def _compensation_failed(builder: Builder, workflow: Workflow, step: str, reason: str) -> None:

@@ -13,9 +13,9 @@ from typing import Any, TypeAlias
 from scheduler.decider.ids import event_id
 from scheduler.decider.state import TaskState
 from scheduler.decider.transitions import evolve
-from schemas.messages import AttemptAccepted, Event, OperatorCommand, RecoverStep, StepResult, SubmitTask
+from schemas.messages import AttemptAccepted, Event, OperatorCommand, RecoverStep, RetryDue, StepResult, SubmitTask
 
-Command: TypeAlias = SubmitTask | StepResult | RecoverStep | OperatorCommand | AttemptAccepted
+Command: TypeAlias = SubmitTask | StepResult | RecoverStep | OperatorCommand | AttemptAccepted | RetryDue
 
 
 @dataclass(frozen=True)

@@ -10,14 +10,27 @@ from datetime import datetime
 
 from scheduler.decider.admission import Limits, admit, resubmit
 from scheduler.decider.attempts import in_progress, on_accepted
-from scheduler.decider.compensation import on_compensation_result, on_compensation_timeout
+from scheduler.decider.compensation import (
+    on_compensation_result,
+    on_compensation_timeout,
+    start_compensation_attempt,
+)
 from scheduler.decider.decision import Builder, Command, Decision
-from scheduler.decider.forward import on_result, on_timeout
+from scheduler.decider.forward import on_result, on_timeout, start_attempt
 from scheduler.decider.operator import on_operator
 from scheduler.decider.relevance import deadline_not_passed, not_current, not_queued, record_late_result
 from scheduler.decider.state import TaskState
+from scheduler.decider.timers import due
 from scheduler.workflow import WorkflowNotFoundError, WorkflowRegistry
-from schemas.messages import AttemptAccepted, MessageIgnored, OperatorCommand, RecoverStep, StepResult, SubmitTask
+from schemas.messages import (
+    AttemptAccepted,
+    MessageIgnored,
+    OperatorCommand,
+    RecoverStep,
+    RetryDue,
+    StepResult,
+    SubmitTask,
+)
 from schemas.states import StepStatus
 
 
@@ -48,6 +61,8 @@ def decide(
     builder = Builder.on(command, state, now)
     if isinstance(command, OperatorCommand):
         return on_operator(builder, command, registry)
+    if isinstance(command, RetryDue):
+        return _fire(builder, command, registry)
     reason = not_current(state, command)
     if reason is None and isinstance(command, RecoverStep):
         reason = deadline_not_passed(in_progress(state)[1], now)
@@ -75,4 +90,18 @@ def decide(
         (on_compensation_result if undoing else on_result)(builder, workflow, command)
     else:
         (on_compensation_timeout if undoing else on_timeout)(builder, workflow, command)
+    return builder.decision()
+
+
+def _fire(builder: Builder, command: RetryDue, registry: WorkflowRegistry) -> Decision:
+    """A timer fired: start the attempt it was set for, if it is the step's current timer and due."""
+    index = due(builder, command)
+    if index is None:
+        return Decision(())
+    state = builder.state
+    try:
+        workflow = registry.get(state.workflow, state.workflow_version)
+    except WorkflowNotFoundError as exc:
+        return Decision((), dead_letter=f"unknown workflow {state.workflow!r} v{state.workflow_version}: {exc}")
+    (start_compensation_attempt if command.compensation else start_attempt)(builder, workflow, index)
     return builder.decision()

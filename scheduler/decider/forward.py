@@ -1,6 +1,9 @@
 """Forward steps: start attempts within the step's budget, move on, retry, or escalate by the workflow's policy.
 
-``_escalate`` is the one place that decides what giving up on a step does to its task.
+``_escalate`` is the one place that decides what giving up on a step does to its task. A retry that must
+wait (the step's back-off, the agent's suggested delay) is a timer (``scheduler.decider.timers``); an
+attempt the agent refused without calling (open breaker, spent retry budget) is deferred by one, and is
+not a failed attempt.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from scheduler.decider.compensation import begin_compensation
 from scheduler.decider.decision import Builder
 from scheduler.decider.ids import attempt_id
 from scheduler.decider.state import StepState
+from scheduler.decider.timers import defer_s, schedule, suggested_s, wait_s
 from scheduler.workflow import Workflow
 from schemas.messages import (
     OperatorAlert,
@@ -28,6 +32,13 @@ from schemas.messages import (
 def on_result(builder: Builder, workflow: Workflow, result: StepResult) -> None:
     """The current attempt's agent answered: move on to the next step, retry, or escalate."""
     index, current = in_progress(builder.state)
+    if result.deferred:
+        spec = workflow.steps[index]
+        schedule(builder, index, current.attempt + 1,
+                 defer_s(spec.backoff, current.failure_count, f"{current.attempt_id}/deferred", result),
+                 f"attempt {current.attempt_id} deferred without a call: {result.error}", compensation=False,
+                 kind=result.error_kind, deferred_attempt_id=current.attempt_id)
+        return
     charged = min(result.calls, current.calls_allowed)
     if result.ok:
         builder.emit(StepSucceeded, step=current.name, attempt_id=current.attempt_id,
@@ -46,7 +57,7 @@ def on_result(builder: Builder, workflow: Workflow, result: StepResult) -> None:
     elif result.permanent:
         _escalate(builder, workflow, current.name, f"permanent failure of step {current.name!r}: {error}")
     else:
-        _retry_or_escalate(builder, workflow, index)
+        _retry_or_escalate(builder, workflow, index, result)
 
 
 def on_timeout(builder: Builder, workflow: Workflow, recover: RecoverStep) -> None:
@@ -69,19 +80,33 @@ def on_timeout(builder: Builder, workflow: Workflow, recover: RecoverStep) -> No
     _retry_or_escalate(builder, workflow, index)
 
 
-def _retry_or_escalate(builder: Builder, workflow: Workflow, index: int) -> None:
-    """Below the workflow's failure threshold, a transiently failed step gets another attempt."""
+def _retry_or_escalate(builder: Builder, workflow: Workflow, index: int, result: StepResult | None = None) -> None:
+    """Below the workflow's failure threshold, a transiently failed step gets another attempt: after its
+    back-off (and the agent's suggested delay), or at once when there is none to wait.
+
+    A step with no budget left escalates now rather than after a wait that could only end in escalating.
+    """
     step = builder.state.steps[index]
+    spec = workflow.steps[index]
+    kind = result.error_kind if result is not None else "timeout"
     if step.failure_count >= workflow.failure_threshold:
-        _escalate(
-            builder,
-            workflow,
-            step.name,
-            f"failure threshold reached: {step.failure_count} failed attempts of step {step.name!r} "
-            f"(threshold {workflow.failure_threshold})",
-        )
-    else:
+        reason = (f"failure threshold reached: {step.failure_count} failed attempts of step {step.name!r} "
+                  f"(threshold {workflow.failure_threshold})")
+        if (workflow.escalation == "backoff" and step.rounds < workflow.backoff_rounds
+                and spec.attempt_budget - step.calls_used > 0):
+            schedule(builder, index, step.attempt + 1, max(workflow.long_backoff_s, suggested_s(result)),
+                     f"long back-off: {reason}; round {step.rounds + 2} of {workflow.backoff_rounds + 1} after "
+                     f"{workflow.long_backoff_s:g}s", compensation=False, kind=kind, new_round=True)
+            return
+        _escalate(builder, workflow, step.name, reason)
+        return
+    delay = wait_s(spec.backoff, step.failure_count, step.attempt_id or step.name, result)
+    if delay <= 0 or spec.attempt_budget - step.calls_used <= 0:
         start_attempt(builder, workflow, index)
+        return
+    schedule(builder, index, step.attempt + 1, delay,
+             f"back-off after {step.failure_count} failed attempt(s) of step {step.name!r}: {step.error}",
+             compensation=False, kind=kind)
 
 
 def start_attempt(builder: Builder, workflow: Workflow, index: int) -> None:
@@ -121,9 +146,11 @@ def _escalate(builder: Builder, workflow: Workflow, step: str, reason: str) -> N
 
     Every path that stops retrying comes here. The workflow's policy chooses: ``error`` stops the task
     with an operator alert (an operator may resubmit the step or order compensation); ``compensate``
-    undoes the completed steps at once, and alerts only if that fails.
+    undoes the completed steps at once, and alerts only if that fails; ``backoff``, once its rounds are
+    spent (or waiting cannot help), does what ``after_backoff`` says.
     """
-    if workflow.escalation == "compensate":
+    policy = workflow.after_backoff if workflow.escalation == "backoff" else workflow.escalation
+    if policy == "compensate":
         begin_compensation(builder, workflow, "escalation", reason, step=step)
         return
     builder.emit(TaskFailed, step=step, reason=reason)

@@ -1,4 +1,5 @@
-"""Operator commands: resubmit a failed step, retry a failed undo, compensate a task in error, cancel one.
+"""Operator commands: resubmit a failed step, retry a failed undo, compensate a task in error, cancel one,
+make a waiting step try now.
 
 Each is checked against the task's state first; a refusal is recorded on the task where operators look,
 and a repeated command (same id) changes nothing.
@@ -12,7 +13,14 @@ from scheduler.decider.decision import Builder, Decision
 from scheduler.decider.forward import start_attempt
 from scheduler.decider.state import TaskState
 from scheduler.workflow import WorkflowNotFoundError, WorkflowRegistry
-from schemas.messages import CompensationRetried, OperatorCommand, OperatorCommandRefused, StepFailed, StepResubmitted
+from schemas.messages import (
+    CompensationRetried,
+    OperatorCommand,
+    OperatorCommandRefused,
+    RetryBroughtForward,
+    StepFailed,
+    StepResubmitted,
+)
 from schemas.states import StepStatus, TaskStatus
 
 
@@ -42,6 +50,14 @@ def on_operator(builder: Builder, command: OperatorCommand, registry: WorkflowRe
             builder.emit(CompensationRetried, step=state.steps[index].name, command_id=command.command_id,
                          operator=command.operator)
             start_compensation_attempt(builder, workflow, index)
+        case "try-now":
+            assert index is not None
+            timer = state.steps[index].timer
+            assert timer is not None
+            # The timer moves to now: the old one's firing no longer names it, so it changes nothing.
+            builder.emit(RetryBroughtForward, step=state.steps[index].name, command_id=command.command_id,
+                         operator=command.operator)
+            (start_compensation_attempt if timer.compensation else start_attempt)(builder, workflow, index)
         case "compensate":
             begin_compensation(builder, workflow, "operator",
                                 f"compensation ordered by {who} (command {command.command_id})", command=command)
@@ -87,10 +103,15 @@ def _check_operator(state: TaskState, command: OperatorCommand) -> tuple[str | N
         if action == "cancel" and status not in (TaskStatus.ACCEPTED, TaskStatus.RUNNING):
             return f"task is {status}: only a running task can be cancelled", None
         return None, None
-    wanted = StepStatus.FAILED if action == "resubmit" else StepStatus.COMPENSATION_FAILED
-    needed = TaskStatus.ERROR if action == "resubmit" else TaskStatus.COMPENSATION_FAILED
-    if status != needed:
-        return f"task is {status}{doing}: {action} needs a task in {needed}", None
+    if action == "try-now":
+        wanted = StepStatus.WAITING
+        if status not in (TaskStatus.RUNNING, TaskStatus.COMPENSATING):
+            return f"task is {status}: try-now needs a running or compensating task with a step waiting", None
+    else:
+        wanted = StepStatus.FAILED if action == "resubmit" else StepStatus.COMPENSATION_FAILED
+        needed = TaskStatus.ERROR if action == "resubmit" else TaskStatus.COMPENSATION_FAILED
+        if status != needed:
+            return f"task is {status}{doing}: {action} needs a task in {needed}", None
     names = [step.name for step in state.steps]
     if command.step is None:
         index = next((i for i, step in enumerate(state.steps) if step.status == wanted), None)

@@ -48,6 +48,19 @@ class Lease:
 
 
 @dataclass(frozen=True)
+class Timer:
+    """A waiting step's timer: attempt number ``attempt`` (forward or of the undo) starts at ``not_before``.
+
+    A ``RetryDue`` starts it only if it names this timer exactly, so an old or repeated one changes nothing.
+    """
+
+    attempt: int
+    not_before: datetime
+    reason: str
+    compensation: bool = False
+
+
+@dataclass(frozen=True)
 class CompensationState:
     """The compensation of one step, as far as it got: its attempts, budget spent and outcome.
 
@@ -72,7 +85,9 @@ class StepState:
     ``calls_used`` only grows within a round and never exceeds the step's ``attempt_budget``; an
     operator's resubmit opens a new round. ``calls_allowed`` is what the current (or last) attempt was
     granted, kept so a timed-out attempt can be charged in full. ``error`` is the last failure's, kept
-    across retries for operators.
+    across retries for operators. A ``waiting`` step has a ``timer`` for its next attempt (forward, or of
+    its undo while the task compensates) and no attempt in progress. ``rounds`` counts the long back-offs
+(a ``backoff`` escalation) the step has waited out, each followed by a fresh round of attempts.
     """
 
     name: str
@@ -86,6 +101,8 @@ class StepState:
     output: dict[str, Any] | None = None
     error: str | None = None
     compensation: CompensationState = field(default_factory=CompensationState)
+    timer: Timer | None = None
+    rounds: int = 0
 
     @property
     def lock(self) -> str | None:
@@ -179,6 +196,6 @@ class TaskState:
         return None
 
 
-_MAY_BE_APPLIED: frozenset[StepStatus] = frozenset({StepStatus.SUCCEEDED, StepStatus.FAILED})
+_MAY_BE_APPLIED: frozenset[StepStatus] = frozenset({StepStatus.SUCCEEDED, StepStatus.FAILED, StepStatus.WAITING})
 """Step statuses, outside an attempt in progress, of a step whose effect may exist and has not been undone."""
 _UNDO_CANDIDATES: frozenset[StepStatus] = _MAY_BE_APPLIED | {StepStatus.COMPENSATION_FAILED}

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import replace
+from datetime import datetime
 
-from scheduler.decider.state import Lease, StepState, TaskState
+from scheduler.decider.state import Lease, StepState, TaskState, Timer
 from schemas.messages import (
     CompensationRetried,
     CompensationStarted,
@@ -18,6 +19,7 @@ from schemas.messages import (
     MessageIgnored,
     OperatorAlert,
     OperatorCommandRefused,
+    RetryBroughtForward,
     StepAccepted,
     StepCompensated,
     StepCompensationFailed,
@@ -25,6 +27,7 @@ from schemas.messages import (
     StepCompensationStarted,
     StepFailed,
     StepResubmitted,
+    StepRetryScheduled,
     StepStarted,
     StepSucceeded,
     TaskAccepted,
@@ -64,6 +67,8 @@ _ALLOWED_FROM: dict[type[Event], frozenset[TaskStatus]] = {
     TaskCompensationFailed: frozenset({TaskStatus.COMPENSATING}),
     StepResubmitted: frozenset({TaskStatus.ERROR}),
     CompensationRetried: frozenset({TaskStatus.COMPENSATION_FAILED}),
+    StepRetryScheduled: frozenset({TaskStatus.RUNNING, TaskStatus.COMPENSATING}),
+    RetryBroughtForward: frozenset({TaskStatus.RUNNING, TaskStatus.COMPENSATING}),
 }
 """The task statuses each transition may follow; operator transitions are the only way out of a terminal one."""
 
@@ -99,7 +104,7 @@ def evolve(state: TaskState | None, event: Event) -> TaskState:
     if state.status not in allowed:
         raise InvalidTransition(f"task {state.task_id!r} is {state.status}: {type(event).__name__} cannot follow")
     if state.current_step is not None and not isinstance(
-        event, StepAccepted | StepSucceeded | StepFailed | StepCompensated | StepCompensationFailed
+        event, StepAccepted | StepSucceeded | StepFailed | StepCompensated | StepCompensationFailed | StepRetryScheduled
     ):
         raise InvalidTransition(f"task {state.task_id!r} has an attempt in progress: "
                                 f"{type(event).__name__} cannot follow before it ends")
@@ -156,6 +161,15 @@ def evolve(state: TaskState | None, event: Event) -> TaskState:
             index = _step_in(state, event.step, StepStatus.FAILED)
             fresh = replace(state.steps[index], failure_count=0, calls_used=0)
             return replace(_with_step(state, event, index, fresh), status=TaskStatus.RUNNING)
+        case StepRetryScheduled():
+            return _retry_scheduled(state, event)
+        case RetryBroughtForward():
+            index = _step_in(state, event.step, StepStatus.WAITING)
+            step = state.steps[index]
+            assert step.timer is not None
+            timer = replace(step.timer, not_before=min(step.timer.not_before, event.occurred_at),
+                            reason=f"{step.timer.reason}; brought forward by an operator")
+            return _with_step(state, event, index, replace(step, timer=timer))
         case CompensationRetried():
             index = _step_in(state, event.step, StepStatus.COMPENSATION_FAILED)
             step = state.steps[index]
@@ -229,8 +243,9 @@ def _step_started(state: TaskState, event: StepStarted) -> TaskState:
             raise InvalidTransition(f"step {index} of task {state.task_id!r} is {prior.name!r}, not {event.step!r}")
     else:
         raise InvalidTransition(f"step {event.step!r} (index {index}) skips a step of task {state.task_id!r}")
-    if prior.status not in (StepStatus.PENDING, StepStatus.FAILED):
+    if prior.status not in (StepStatus.PENDING, StepStatus.FAILED, StepStatus.WAITING):
         raise InvalidTransition(f"step {prior.name!r} is {prior.status}: it cannot start another attempt")
+    _check_timer(prior, event.attempt, event.occurred_at, compensation=False)
     if event.attempt != prior.attempt + 1:
         raise InvalidTransition(
             f"step {prior.name!r} was at attempt {prior.attempt}: the next is {prior.attempt + 1}, not {event.attempt}"
@@ -242,6 +257,7 @@ def _step_started(state: TaskState, event: StepStarted) -> TaskState:
         attempt_id=event.attempt_id,
         lease=Lease(event.occurred_at, event.complete_by, event.start_by),
         calls_allowed=event.calls_allowed,
+        timer=None,
     )
     steps = (*state.steps[:index], started, *state.steps[index + 1 :])
     return replace(state, status=TaskStatus.RUNNING, sequence=event.sequence, steps=steps, current_step=index)
@@ -275,15 +291,20 @@ def _compensation_started(state: TaskState, event: CompensationStarted) -> TaskS
     plan = state.undo_plan()
     if event.steps != plan:
         raise InvalidTransition(f"compensation plan {event.steps} is not the started steps in reverse: {plan}")
-    return replace(state, status=TaskStatus.COMPENSATING, sequence=event.sequence)
+    # A forward retry still waiting will never run: its step is a failed one to undo, its timer stale.
+    steps = tuple(replace(step, status=StepStatus.FAILED, timer=None) if step.status == StepStatus.WAITING else step
+                  for step in state.steps)
+    return replace(state, status=TaskStatus.COMPENSATING, sequence=event.sequence, steps=steps)
 
 
 def _compensation_attempt_started(state: TaskState, event: StepCompensationStarted) -> TaskState:
     """A compensation attempt: of the last started step not yet undone, numbered after the previous one."""
-    index = _next_to_undo(state, event.step, (StepStatus.SUCCEEDED, StepStatus.FAILED, StepStatus.COMPENSATION_FAILED))
+    index = _next_to_undo(state, event.step, (StepStatus.SUCCEEDED, StepStatus.FAILED, StepStatus.COMPENSATION_FAILED,
+                                              StepStatus.WAITING))
     if event.step_index != index:
         raise InvalidTransition(f"step {event.step!r} is at index {index}, not {event.step_index}")
     step = state.steps[index]
+    _check_timer(step, event.attempt, event.occurred_at, compensation=True)
     if event.attempt != step.compensation.attempt + 1:
         raise InvalidTransition(
             f"the compensation of step {step.name!r} was at attempt {step.compensation.attempt}: "
@@ -291,9 +312,52 @@ def _compensation_attempt_started(state: TaskState, event: StepCompensationStart
         )
     undo = replace(step.compensation, attempt=event.attempt, attempt_id=event.attempt_id,
                    lease=Lease(event.occurred_at, event.complete_by, event.start_by), calls_allowed=event.calls_allowed)
-    undoing = replace(step, status=StepStatus.COMPENSATING, compensation=undo)
-    steps = (*state.steps[:index], undoing, *state.steps[index + 1 :])
+    steps = (*state.steps[:index], replace(step, status=StepStatus.COMPENSATING, compensation=undo, timer=None),
+             *state.steps[index + 1 :])
     return replace(state, sequence=event.sequence, steps=steps, current_step=index)
+
+
+def _retry_scheduled(state: TaskState, event: StepRetryScheduled) -> TaskState:
+    """A timer for the next attempt: after a failed one, or in place of one refused without a call.
+
+    A deferral ends the attempt in progress without a failure (it made no call, so charges nothing); a
+    timer after a failure follows the failure's event. Either way the step is ``waiting`` with no attempt
+    in progress.
+    """
+    forward_status = StepStatus.PROCESSING if event.deferred_attempt_id else StepStatus.FAILED
+    undo_status = StepStatus.COMPENSATING if event.deferred_attempt_id else StepStatus.COMPENSATION_FAILED
+    status = undo_status if event.compensation else forward_status
+    if event.deferred_attempt_id is not None:
+        index, step = _attempt_in_progress(state, event.step, event.deferred_attempt_id, status)
+    else:
+        index = _step_in(state, event.step, status)
+        step = state.steps[index]
+    if event.step_index != index or (state.status == TaskStatus.COMPENSATING) != event.compensation:
+        raise InvalidTransition(f"a timer for step {event.step!r} (index {event.step_index}, compensation "
+                                f"{event.compensation}) does not fit task {state.task_id!r}, {state.status}")
+    next_attempt = (step.compensation.attempt if event.compensation else step.attempt) + 1
+    if event.attempt != next_attempt:
+        raise InvalidTransition(f"a timer for attempt {event.attempt} of step {step.name!r}: "
+                                f"the next is {next_attempt}")
+    timer = Timer(event.attempt, event.not_before, event.reason, event.compensation)
+    waiting = replace(step, status=StepStatus.WAITING, timer=timer)
+    if event.new_round:
+        if event.compensation or event.deferred_attempt_id is not None:
+            raise InvalidTransition(f"a new round of step {step.name!r} follows a failed forward attempt only")
+        waiting = replace(waiting, failure_count=0, rounds=step.rounds + 1)
+    return _with_step(state, event, index, waiting)
+
+
+def _check_timer(step: StepState, attempt: int, at: datetime, *, compensation: bool) -> None:
+    """An attempt of a waiting step is the one its timer was set for, and starts no earlier than it."""
+    if step.status != StepStatus.WAITING:
+        return
+    timer = step.timer
+    if timer is None or timer.compensation != compensation or timer.attempt != attempt:
+        raise InvalidTransition(f"step {step.name!r} waits for {timer}: attempt {attempt} cannot start")
+    if at < timer.not_before:
+        raise InvalidTransition(f"step {step.name!r} waits until {timer.not_before.isoformat()}: attempt {attempt} "
+                                f"cannot start at {at.isoformat()}")
 
 
 def _next_to_undo(state: TaskState, name: str, statuses: tuple[StepStatus, ...]) -> int:

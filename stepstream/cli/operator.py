@@ -36,8 +36,9 @@ _ACTIONS: dict[OperatorAction, str] = {
     "compensate": "undo the completed steps of a task in error",
     "cancel": "stop a running task and undo what it completed",
     "retry-compensation": "retry the failed compensation of a task in compensation_failed",
+    "try-now": "start the next attempt of a waiting step now instead of at its retry time",
 }
-_TAKES_STEP: frozenset[OperatorAction] = frozenset({"resubmit", "retry-compensation"})
+_TAKES_STEP: frozenset[OperatorAction] = frozenset({"resubmit", "retry-compensation", "try-now"})
 
 
 def add_parsers(commands: Any) -> None:
@@ -47,7 +48,8 @@ def add_parsers(commands: Any) -> None:
         parser = actions.add_parser(action, help=description, description=description)
         parser.add_argument("task_id")
         if action in _TAKES_STEP:
-            parser.add_argument("--step", default=None, help="the step (default: the one that failed)")
+            default = "the one waiting" if action == "try-now" else "the one that failed"
+            parser.add_argument("--step", default=None, help=f"the step (default: {default})")
         parser.add_argument("--command-id", default=None,
                             help="idempotency key of this command (default: a new one); resend it to retry safely")
         parser.add_argument("--operator", default=None, help="who acts (default: the login name)")

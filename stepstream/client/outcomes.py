@@ -17,6 +17,7 @@ from schemas.messages import (
     CompensationStarted,
     Event,
     OperatorCommandRefused,
+    RetryBroughtForward,
     StepResubmitted,
 )
 
@@ -37,6 +38,8 @@ class Outcome:
                 return cls("accepted", f"step {event.step!r} resubmitted")
             case CompensationRetried():
                 return cls("accepted", f"compensation of step {event.step!r} retried")
+            case RetryBroughtForward():
+                return cls("accepted", f"step {event.step!r} tries now")
             case CompensationStarted():
                 plan = ", ".join(event.steps) if event.steps else "nothing to undo"
                 return cls("accepted", f"compensating ({event.trigger}): {plan}")

@@ -40,7 +40,7 @@ class DashboardCollector(Collector):
             tasks.add_metric([state], count)
         yield tasks
         steps = GaugeMetricFamily("stepstream_steps", "Steps in the state store, by state (queued: waiting for an "
-                                  "agent)", labels=["state"])
+                                  "agent; waiting: for a timer before the next attempt)", labels=["state"])
         for state, count in sorted(self.store.step_counts_by_status().items()):
             steps.add_metric([state], count)
         yield steps

@@ -106,6 +106,13 @@ def read_router(store: Store, topics: list[str], lag: LagReader | None) -> APIRo
         items = [{**row, "waiting_ms": max(0, now - row["queued_at"])} for row in store.queued_steps(limit)]
         return {"items": items, "waits": store.queue_waits(now - minutes * 60000)}
 
+    @router.get("/api/steps/waiting", tags=["steps"])
+    def waiting_steps(limit: Limit = 50) -> dict[str, Any]:
+        """Steps waiting for a timer before their next attempt, soonest first: ``retry_at``, ``wait_reason``,
+        and ``retry_in_ms`` from now (negative: due, about to be fired)."""
+        now = exact_ms(datetime.now(UTC))
+        return {"items": [{**row, "retry_in_ms": row["retry_at"] - now} for row in store.waiting_steps(limit)]}
+
     @router.get("/api/steps/failed", tags=["steps"])
     def failed_steps(limit: Limit = 50) -> dict[str, Any]:
         """Steps that failed, or whose compensation failed, most recent first."""

@@ -116,10 +116,10 @@ async function showTimeline(taskId) {
 
 async function refresh() {
   try {
-    const [health, counts, stuck, failed, alerts, dlq, tasks, throughput, queued] = await Promise.all([
+    const [health, counts, stuck, failed, alerts, dlq, tasks, throughput, queued, waiting] = await Promise.all([
       get("/api/health"), get("/api/counts"), get("/api/steps/stuck?limit=20"), get("/api/steps/failed?limit=20"),
       get("/api/alerts?limit=20"), get("/api/dlq/summary"), get("/api/tasks?limit=20"), get("/api/throughput?minutes=60"),
-      get("/api/steps/queued?limit=20"),
+      get("/api/steps/queued?limit=20"), get("/api/steps/waiting?limit=20"),
     ]);
     document.getElementById("store").textContent = health.store;
     drawCounts(counts);
@@ -133,6 +133,8 @@ async function refresh() {
     const waits = queued.waits;
     document.getElementById("queue-waits").textContent = waits.accepted ?
       `${waits.accepted} steps, waited ${seconds(waits.mean_ms)} on average, ${seconds(waits.max_ms)} at most` : "none";
+    fill("waiting", waiting.items, [r => [r.task_id], r => [r.step], r => [r.attempt], r => [when(r.retry_at)],
+                                    r => [r.wait_reason, "error"]], pick);
     fill("failed", failed.items, [r => [r.task_id], r => [r.step], r => [r.status], r => [r.failure_count],
                                   r => [r.error, "error"], r => [when(r.updated_at)]], pick);
     fill("alerts", alerts.items, [r => [when(r.occurred_at)], r => [r.task_id], r => [r.step], r => [r.reason]], pick);

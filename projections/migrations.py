@@ -144,6 +144,10 @@ MIGRATIONS: tuple[tuple[int, Script], ...] = (
         create index steps_leased on steps (complete_by, task_id, step)
             where status in ('queued', 'processing', 'compensation_queued', 'compensating');
     """),
+    (5, """
+        -- a task whose history the scheduler cannot fold is 'quarantined' until an operator releases it: why
+        alter table tasks add column quarantine_reason text;
+    """),
 )
 
 

@@ -39,7 +39,9 @@ from schemas.messages import (
     TaskCompensationFailed,
     TaskCompleted,
     TaskFailed,
+    TaskQuarantined,
     TaskRejected,
+    TaskReleased,
 )
 
 
@@ -177,6 +179,13 @@ def project(db: Executor, event: Event) -> None:
         case TaskCompensationFailed():
             db.execute("update tasks set status = 'compensation_failed', current_step = null, error = ? "
                        "where task_id = ?", (_headline(event.step, event.reason), event.task_id))
+        case TaskQuarantined():
+            # Set aside by the scheduler (its history does not fold): no command runs until a release.
+            db.execute("update tasks set status = 'quarantined', quarantine_reason = ? where task_id = ?",
+                       (event.reason, event.task_id))
+        case TaskReleased():
+            db.execute("update tasks set status = ?, quarantine_reason = null where task_id = ?",
+                       (event.status, event.task_id))
         case MessageIgnored() | OperatorCommandRefused():
             pass
     db.execute(task_update, (event.sequence, at, event.task_id))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import threading
 import uuid
 from datetime import UTC, datetime
+from typing import Any
 
 import structlog
 from confluent_kafka import TopicPartition
@@ -41,14 +42,17 @@ from scheduler.decider import (
     evolve,
     idempotency_key,
 )
+from scheduler.quarantine import UNFOLDABLE, PartitionFold, Quarantine
 from scheduler.sealing import EventSealer
 from scheduler.workflow import WorkflowRegistry
+from schemas.codec import default_codec
 from schemas.messages import (
     AgentRequest,
     AttemptAccepted,
     CompensationStarted,
     Event,
     Message,
+    OperatorAlert,
     OperatorCommand,
     RecoverStep,
     StatusUpdate,
@@ -64,13 +68,17 @@ from schemas.messages import (
     TaskCompensationFailed,
     TaskCompleted,
     TaskFailed,
+    TaskQuarantined,
     TaskRejected,
+    TaskReleased,
 )
 from schemas.sealed import Keyring
 
 log = structlog.get_logger("stepstream.scheduler")
 
 IN_FLIGHT = Gauge("stepstream_tasks_in_flight", "Non-terminal tasks owned by this scheduler", ["partition"])
+QUARANTINED = Gauge("stepstream_tasks_quarantined", "Tasks set aside because their history does not fold",
+                    ["partition"])
 
 _STATUS_OF: dict[type[Event], str] = {
     TaskAccepted: "received",
@@ -103,6 +111,10 @@ class Scheduler:
         # Non-terminal tasks per partition, kept up to date as states change: admission control asks for
         # it on every submission, and counting would walk every task the partition ever held.
         self._live: dict[int, int] = {}
+        self._quarantined: dict[int, dict[str, Quarantine]] = {}
+        # Quarantines found while restoring are recorded at once, outside the consumer's transactions: a
+        # restore runs before any batch, and a quarantine already on the log is never recorded twice.
+        self._recorder = EventProducer(bootstrap)
 
     # -- commands -----------------------------------------------------------------------------
 
@@ -112,13 +124,27 @@ class Scheduler:
             raise PoisonMessageError(f"{type(command).__name__} is not a command the scheduler takes")
         tasks = self._tasks.setdefault(record.partition, {})
         state = tasks.get(command.task_id)
+        quarantine = self._quarantined.get(record.partition, {}).get(command.task_id)
+        if quarantine is not None:
+            self._release_or_refuse(quarantine, command, state, record.partition, output)
+            return
         was_live = state is not None and not state.is_terminal
-        decision = decide(command, state, registry=self.registry, now=datetime.now(UTC),
-                          in_flight=self.in_flight(record.partition), limits=self.limits)
-        for event in decision.events:
-            state = evolve(state, event)
+        before = state
+        try:
+            decision = decide(command, state, registry=self.registry, now=datetime.now(UTC),
+                              in_flight=self.in_flight(record.partition), limits=self.limits)
+            decided = [(event, state := evolve(state, event)) for event in decision.events]
+        except UNFOLDABLE as exc:
+            if before is None:
+                raise
+            # This version's decider refuses what it decided itself: set the task aside, not the partition.
+            self._quarantine(record.partition, Quarantine(
+                command.task_id, f"{type(command).__name__} does not fold: {exc}", before.workflow,
+                before.workflow_version, before.sequence + 1, command.message_id), output)
+            raise PoisonMessageError(f"task quarantined: {exc}") from exc
+        for event, after in decided:
             output.send(self.layout.events, self.sealer.seal(event), partition=record.partition)
-            self._effects(event, state, command, output)
+            self._effects(event, after, command, output)
         if state is not None:
             tasks[command.task_id] = state
             live = self._live.get(record.partition, 0) + (not state.is_terminal) - was_live
@@ -130,6 +156,50 @@ class Scheduler:
 
     def in_flight(self, partition: int) -> int:
         return self._live.get(partition, 0)
+
+    # -- quarantine -----------------------------------------------------------------------------
+
+    def _release_or_refuse(self, quarantine: Quarantine, command: Message, state: TaskState | None, partition: int,
+                           output: EventProducer) -> None:
+        """A quarantined task's command: an operator's release of a task this version folds lets it go on;
+        anything else is dead-lettered with the reason it was set aside."""
+        if not (isinstance(command, OperatorCommand) and command.action == "release"):
+            raise PoisonMessageError(f"task quarantined: {quarantine.reason}")
+        if not quarantine.foldable or state is None:
+            raise PoisonMessageError(f"task quarantined: this version cannot fold its history either: "
+                                     f"{quarantine.reason}")
+        released = TaskReleased(task_id=state.task_id, sequence=state.sequence + 1, workflow=state.workflow,
+                                workflow_version=state.workflow_version, causation_id=command.message_id,
+                                status=state.status, command_id=command.command_id, operator=command.operator)
+        self._tasks[partition][state.task_id] = evolve(state, released)
+        output.send(self.layout.events, released, partition=partition)
+        del self._quarantined[partition][state.task_id]
+        QUARANTINED.labels(str(partition)).set(len(self._quarantined[partition]))
+        log.warning("task released from quarantine", task_id=state.task_id, partition=partition,
+                    operator=command.operator, status=state.status)
+
+    def _quarantine(self, partition: int, quarantine: Quarantine, output: EventProducer) -> None:
+        """Set a task aside, and say why on the log (an alert, then the quarantine) unless it already does.
+        The state of a task this version cannot fold leaves memory; one it folds stays, for its release."""
+        if not quarantine.foldable:
+            self._tasks.get(partition, {}).pop(quarantine.task_id, None)
+        owned = self._quarantined.setdefault(partition, {})
+        owned[quarantine.task_id] = quarantine
+        QUARANTINED.labels(str(partition)).set(len(owned))
+        log.error("task quarantined", task_id=quarantine.task_id, partition=partition, reason=quarantine.reason,
+                  recorded=quarantine.recorded)
+        if quarantine.recorded:
+            return
+        common: dict[str, Any] = {"task_id": quarantine.task_id, "workflow": quarantine.workflow,
+                  "workflow_version": quarantine.workflow_version, "causation_id": quarantine.causation_id}
+        sequence = quarantine.next_sequence
+        output.send(self.layout.events, OperatorAlert(**common, sequence=sequence,
+                                                      reason=f"task quarantined: {quarantine.reason}"),
+                    partition=partition)
+        output.send(self.layout.events, TaskQuarantined(**common, sequence=sequence + 1, reason=quarantine.reason,
+                                                        unfolded_sequence=quarantine.unfolded_sequence),
+                    partition=partition)
+        quarantine.next_sequence, quarantine.recorded = sequence + 2, True
 
     def _effects(self, event: Event, state: TaskState, command: Message, output: EventProducer) -> None:
         if isinstance(event, StepStarted | StepCompensationStarted):
@@ -198,22 +268,29 @@ class Scheduler:
     def restore(self, partitions: list[TopicPartition]) -> None:
         """Fold ``events`` of each newly owned partition before any of its commands is handled."""
         for tp in partitions:
-            tasks: dict[str, TaskState] = {}
+            fold = PartitionFold(default_codec(), self.sealer.unseal)
             reader = ReplayReader(self.bootstrap, self.layout.events, partitions=[tp.partition])
-            for record in reader:
-                if isinstance(record.message, Event):
-                    event = self.sealer.unseal(record.message)
-                    tasks[event.task_id] = evolve(tasks.get(event.task_id), event)
-            self._tasks[tp.partition] = tasks
+            records = 0
+            for partition, offset, key, value in reader.raw():
+                fold.add(key, value, f"{partition}:{offset}")
+                records += 1
+            tasks = self._tasks[tp.partition] = fold.tasks
+            self._quarantined[tp.partition] = {}
+            for quarantine in fold.quarantined.values():
+                self._quarantine(tp.partition, quarantine, self._recorder)
+            self._recorder.flush()
+            QUARANTINED.labels(str(tp.partition)).set(len(fold.quarantined))
             self._live[tp.partition] = sum(1 for state in tasks.values() if not state.is_terminal)
             IN_FLIGHT.labels(str(tp.partition)).set(self.in_flight(tp.partition))
             log.info("partition restored", partition=tp.partition, tasks=len(tasks),
-                     in_flight=self.in_flight(tp.partition), events=reader.stats.records)
+                     in_flight=self.in_flight(tp.partition), events=records, quarantined=len(fold.quarantined),
+                     unattributed=fold.unattributed)
 
     def forget(self, partitions: list[TopicPartition]) -> None:
         for tp in partitions:
             self._tasks.pop(tp.partition, None)
             self._live.pop(tp.partition, None)
+            self._quarantined.pop(tp.partition, None)
 
     def restore_all(self) -> None:
         """After an aborted transaction the in-memory state ran ahead of the log: rebuild it."""

@@ -292,6 +292,30 @@ class OperatorCommandRefused(Event):
     operator: str | None = None
 
 
+# ---- quarantine ----------------------------------------------------------------------------------
+
+
+class TaskQuarantined(Event):
+    """The scheduler cannot fold this task's history (an event its decider refuses or cannot read): the task
+    is set aside, its commands dead-lettered, until an operator releases it under a version that folds it.
+
+    ``sequence`` follows the last event of the task on the log, read or not, so a fixed version folds it as
+    one more record. ``unfolded_sequence`` is the first event that could not be folded (None: not readable).
+    """
+
+    reason: str
+    unfolded_sequence: int | None = None
+
+
+class TaskReleased(Event):
+    """An operator released a quarantined task whose history this scheduler folds: its commands run again.
+    ``status`` is the task's status as folded, the one the projections show again."""
+
+    status: str
+    command_id: str
+    operator: str | None = None
+
+
 # ---- commands on the inbox ----------------------------------------------------------------------
 
 
@@ -346,15 +370,15 @@ class RecoverStep(Message):
     reason: str
 
 
-OperatorAction = Literal["resubmit", "compensate", "cancel", "retry-compensation"]
+OperatorAction = Literal["resubmit", "compensate", "cancel", "retry-compensation", "release"]
 
 
 class OperatorCommand(Message):
     """An operator's intervention on one task. The same ``command_id`` again changes nothing.
 
     ``step`` names the step for ``resubmit`` and ``retry-compensation`` (default: the one that failed);
-    ``compensate`` and ``cancel`` act on the whole task. The outcome is an event naming ``command_id``:
-    ``OperatorCommandRefused``, or the transition it caused.
+    ``compensate``, ``cancel`` and ``release`` (of a quarantined task) act on the whole task. The outcome is
+    an event naming ``command_id``: ``OperatorCommandRefused``, or the transition it caused.
     """
 
     kind: ClassVar[str] = "command"
@@ -441,4 +465,6 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     LateResultRecorded,
     StepAccepted,
     AttemptAccepted,
+    TaskQuarantined,
+    TaskReleased,
 )

@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
 from pydantic import ValidationError
@@ -38,9 +38,11 @@ if TYPE_CHECKING:
 EXIT_INVALID, EXIT_NOT_FOUND, EXIT_NOT_COMPLETED, EXIT_REJECTED, EXIT_CONTRADICTION, EXIT_TIMEOUT = 2, 3, 4, 5, 6, 124
 
 # The task states of the projection (``projections/rows.py``), as ``/api/tasks?state=`` accepts them, in its
-# order; typed by the decider's ``TaskStatus``, so a name that is not a task state fails the type check.
-TASK_STATES: tuple[TaskStatus, ...] = (
+# order; typed by the decider's ``TaskStatus``, so a name that is not a task state fails the type check, and
+# the scheduler's quarantine (``scheduler.quarantine``), which is not a state of the task machine.
+TASK_STATES: tuple[TaskStatus | Literal["quarantined"], ...] = (
     "accepted", "running", "completed", "error", "compensating", "compensated", "compensation_failed", "rejected",
+    "quarantined",
 )
 ERROR_WIDTH = 60
 
@@ -280,8 +282,9 @@ def _clip(text: str | None, width: int = ERROR_WIDTH) -> str:
     return flat if len(flat) <= width else flat[:width - 1] + "…"
 
 
-STATUS_STYLES: dict[TaskStatus, str] = {
+STATUS_STYLES: dict[TaskStatus | Literal["quarantined"], str] = {
     "completed": "green", "error": "red", "compensation_failed": "bold red", "rejected": "red",
+    "quarantined": "bold magenta",
     "compensating": "yellow", "compensated": "yellow", "running": "cyan",
 }
 

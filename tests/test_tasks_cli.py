@@ -27,6 +27,7 @@ from schemas.messages import (
     TaskCompensationFailed,
     TaskCompleted,
     TaskFailed,
+    TaskQuarantined,
     TaskRejected,
 )
 from stepstream.cli import main
@@ -58,9 +59,11 @@ def task_events(task_id: str, state: str, *, workflow: str = "orders", version: 
         complete_by=at + timedelta(seconds=30), calls_allowed=3)
     if state == "running":
         return events
-    if state == "completed":
+    if state in ("completed", "quarantined"):
         add(StepSucceeded, step="charge", attempt_id=attempt, output={}, calls=1)
         add(TaskCompleted, output={})
+        if state == "quarantined":
+            add(TaskQuarantined, reason="TaskCompleted does not fold", unfolded_sequence=len(events) + 1)
         return events
     add(StepFailed, step="charge", attempt_id=attempt, error=error, permanent=True, calls=1, failure_count=1)
     add(TaskFailed, step="charge", reason=error)
@@ -144,7 +147,7 @@ def test_json_prints_one_parseable_object_per_task_newest_first_and_nothing_else
     assert [r["task_id"] for r in rows] == ids_newest_first(mixed)
     assert {r["task_id"]: r["status"] for r in rows} == STATE_OF, "every state, as the projection holds it"
     newest = rows[0]
-    assert newest["created_at"] == int((START + timedelta(seconds=23)).timestamp() * 1000)
+    assert newest["created_at"] == int((START + timedelta(seconds=len(STATE_OF) - 1)).timestamp() * 1000)
     assert set(newest) >= {"task_id", "workflow", "workflow_version", "status", "error", "created_at", "updated_at"}
 
 
@@ -193,8 +196,8 @@ def test_limit_lists_the_newest_tasks_and_the_table_says_more_match(
     assert [line.split()[0] for line in lines[1:5]] == ids_newest_first(mixed)[:4]
     assert lines[-1].startswith("4 tasks") and "--all" in lines[-1]
 
-    code, out, _ = run(capsys, "--limit", "24")
-    assert out.splitlines()[-1] == "24 tasks", "no hint when nothing more matches"
+    code, out, _ = run(capsys, "--limit", str(len(STATE_OF)))
+    assert out.splitlines()[-1] == f"{len(STATE_OF)} tasks", "no hint when nothing more matches"
 
 
 def test_the_table_shows_id_workflow_and_version_state_times_in_utc_and_a_truncated_error(
@@ -217,7 +220,7 @@ def test_the_table_shows_id_workflow_and_version_state_times_in_utc_and_a_trunca
 def test_all_pages_through_every_task_once_whatever_the_page_size(
     mixed: list[list[Event]], capsys: pytest.CaptureFixture[str],
 ) -> None:
-    for limit in ("1", "2", "5", "23", "24", "100"):
+    for limit in ("1", "2", "5", str(len(STATE_OF) - 1), str(len(STATE_OF)), "100"):
         code, out, _ = run(capsys, "--json", "--all", "--limit", limit)
         assert code == 0
         assert [r["task_id"] for r in json_lines(out)] == ids_newest_first(mixed), limit

@@ -31,6 +31,7 @@ class TaskState(str, Enum):
     compensated = "compensated"
     compensation_failed = "compensation_failed"
     rejected = "rejected"
+    quarantined = "quarantined"
 
 
 Limit = Annotated[int, Query(ge=1, le=500, description="at most this many items")]

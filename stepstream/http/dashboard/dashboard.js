@@ -3,7 +3,7 @@
 "use strict";
 
 const STATES = ["accepted", "running", "completed", "error", "compensating", "compensated",
-                "compensation_failed", "rejected"];
+                "compensation_failed", "rejected", "quarantined"];
 const REFRESH_S = Number(new URLSearchParams(location.search).get("refresh")) || 3;
 
 async function get(path) {
@@ -97,7 +97,8 @@ async function showTimeline(taskId) {
   try {
     const task = await get(`/api/tasks/${encodeURIComponent(taskId)}`);
     summary.textContent = `${task.task_id}: ${task.status} (workflow ${task.workflow} v${task.workflow_version}, ` +
-      `${task.steps.length} steps${task.error ? ", " + task.error : ""})`;
+      `${task.steps.length} steps${task.error ? ", " + task.error : ""}` +
+      `${task.quarantine_reason ? ", quarantined: " + task.quarantine_reason : ""})`;
     list.replaceChildren(...task.timeline.map(e => {
       const item = el("li", null, {"data-sequence": e.sequence});
       const detail = e.event.step ? ` ${e.event.step}` : "";

@@ -107,6 +107,7 @@ class ConsumerRuntime:
         on_assign: AssignCallback | None = None,
         on_revoke: PartitionCallback | None = None,
         on_abort: Callable[[], None] | None = None,
+        on_commit: Callable[[], None] | None = None,
         on_batch_end: Callable[[], None] | None = None,
         consumer_overrides: dict[str, Any] | None = None,
         stop_event: threading.Event | None = None,
@@ -121,6 +122,9 @@ class ConsumerRuntime:
         self._on_assign = on_assign
         self._on_revoke = on_revoke
         self._on_abort = on_abort
+        # Exactly-once: told when a batch's transaction committed, as ``on_abort`` is when one was aborted, so
+        # a service that keeps state derived from the batch knows which of it is now durable.
+        self._on_commit = on_commit
         # Called when a batch's work is about to be committed (end of batch, rebalance, shutdown), after
         # the handler ran for each of its records and before their offsets are stored or committed: a
         # handler that buffers (the projector writes a batch in one database transaction) makes its
@@ -341,6 +345,8 @@ class ConsumerRuntime:
             self.output.send_offsets(offsets, self._consumer.consumer_group_metadata())
             self.output.commit()
             self._in_transaction = False
+            if self._on_commit is not None:
+                self._on_commit()
         except KafkaException as exc:
             if is_fatal(exc):
                 raise  # fenced by a newer instance, or the producer is broken: exit, a restart recovers

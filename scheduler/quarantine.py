@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from scheduler.decider import TaskState, evolve
+from scheduler.decider import FINAL, TaskState, evolve
 from schemas.codec import Codec
 from schemas.errors import DecodeError
 from schemas.messages import Event, TaskQuarantined, TaskReleased
@@ -82,7 +82,8 @@ class PartitionFold:
                 message.task_id, f"{type(message).__name__} at {where} does not fold: {exc}", message.workflow,
                 message.workflow_version, message.sequence + 1, message.message_id, unfolded_sequence=message.sequence)
             return
-        self.tasks[message.task_id] = state
+        # A finished task is kept as much as a late command to it needs (``TaskState.settled``).
+        self.tasks[message.task_id] = state.settled() if state.status in FINAL else state
         if isinstance(message, TaskQuarantined):
             self.quarantined[message.task_id] = Quarantine(
                 message.task_id, message.reason, message.workflow, message.workflow_version, message.sequence + 1,

@@ -35,6 +35,7 @@ from eventstore.runtime import ConsumerRuntime, Record
 from eventstore.settings import ConsumerSettings, KafkaSettings
 from eventstore.topics import TopicLayout, TopicSpec, ensure_topics
 from scheduler.decider import (
+    FINAL,
     Limits,
     TaskState,
     compensation_idempotency_key,
@@ -112,6 +113,9 @@ class Scheduler:
         # it on every submission, and counting would walk every task the partition ever held.
         self._live: dict[int, int] = {}
         self._quarantined: dict[int, dict[str, Quarantine]] = {}
+        # What each task touched by the open transaction was before it (state, quarantine): an aborted batch
+        # puts back these tasks only, instead of folding every owned partition again.
+        self._batch: dict[tuple[int, str], tuple[TaskState | None, Quarantine | None]] = {}
         # Quarantines found while restoring are recorded at once, outside the consumer's transactions: a
         # restore runs before any batch, and a quarantine already on the log is never recorded twice.
         self._recorder = EventProducer(bootstrap)
@@ -125,6 +129,7 @@ class Scheduler:
         tasks = self._tasks.setdefault(record.partition, {})
         state = tasks.get(command.task_id)
         quarantine = self._quarantined.get(record.partition, {}).get(command.task_id)
+        self._batch.setdefault((record.partition, command.task_id), (state, quarantine))
         if quarantine is not None:
             self._release_or_refuse(quarantine, command, state, record.partition, output)
             return
@@ -146,16 +151,19 @@ class Scheduler:
             output.send(self.layout.events, self.sealer.seal(event), partition=record.partition)
             self._effects(event, after, command, output)
         if state is not None:
-            tasks[command.task_id] = state
-            live = self._live.get(record.partition, 0) + (not state.is_terminal) - was_live
-            self._live[record.partition] = live
-            IN_FLIGHT.labels(str(record.partition)).set(live)
+            # A finished task leaves memory but for what a late command to it can still need.
+            tasks[command.task_id] = state.settled() if state.status in FINAL else state
+            self._count_live(record.partition, (not state.is_terminal) - was_live)
         if decision.dead_letter is not None:
             # The alert event (if any) is already in this transaction; the command itself is dead-lettered.
             raise PoisonMessageError(decision.dead_letter)
 
     def in_flight(self, partition: int) -> int:
         return self._live.get(partition, 0)
+
+    def _count_live(self, partition: int, change: int) -> None:
+        live = self._live[partition] = self._live.get(partition, 0) + change
+        IN_FLIGHT.labels(str(partition)).set(live)
 
     # -- quarantine -----------------------------------------------------------------------------
 
@@ -291,13 +299,32 @@ class Scheduler:
             self._tasks.pop(tp.partition, None)
             self._live.pop(tp.partition, None)
             self._quarantined.pop(tp.partition, None)
+            for key in [key for key in self._batch if key[0] == tp.partition]:
+                del self._batch[key]  # a restore of the partition, not the batch, is its truth from now on
 
-    def restore_all(self) -> None:
-        """After an aborted transaction the in-memory state ran ahead of the log: rebuild it."""
-        owned = [TopicPartition(self.layout.inbox, p) for p in list(self._tasks)]
-        self._tasks.clear()
-        self._live.clear()
-        self.restore(owned)
+    def committed(self) -> None:
+        """The open transaction committed: the states of its tasks are the log's now."""
+        self._batch.clear()
+
+    def recover_batch(self) -> None:
+        """After an aborted transaction the tasks it touched ran ahead of the log: put them back as they were
+        when it began. Every other task is as the log says, so nothing is read again."""
+        for (partition, task_id), (state, quarantine) in self._batch.items():
+            tasks = self._tasks.get(partition)
+            if tasks is None:
+                continue  # revoked meanwhile: its next owner restores it from the log
+            ahead = tasks.pop(task_id, None)
+            if state is not None:
+                tasks[task_id] = state
+            self._count_live(partition, (state is not None and not state.is_terminal)
+                             - (ahead is not None and not ahead.is_terminal))
+            quarantined = self._quarantined.setdefault(partition, {})
+            quarantined.pop(task_id, None)
+            if quarantine is not None:
+                quarantined[task_id] = quarantine
+            QUARANTINED.labels(str(partition)).set(len(quarantined))
+        log.info("aborted batch recovered", tasks=len(self._batch))
+        self._batch.clear()
 
 
 def build_scheduler(kafka: KafkaSettings, consumer: ConsumerSettings, registry: WorkflowRegistry,
@@ -322,6 +349,7 @@ def build_scheduler(kafka: KafkaSettings, consumer: ConsumerSettings, registry: 
         transactional_id=transactional_id,
         on_assign=on_assign,
         on_revoke=scheduler.forget,
-        on_abort=scheduler.restore_all,
+        on_abort=scheduler.recover_batch,
+        on_commit=scheduler.committed,
         stop_event=stop_event,
     )

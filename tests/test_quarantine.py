@@ -63,7 +63,8 @@ def test_an_event_the_decider_refuses_quarantines_its_task_and_the_others_fold()
     partition = folded(encoded(poisoned, other))
 
     assert set(partition.tasks) == {"other"}
-    assert partition.tasks["other"] == fold(other)
+    folded_other = fold(other)
+    assert folded_other is not None and partition.tasks["other"] == folded_other.settled()
     quarantine = partition.quarantined["victim"]
     assert not quarantine.foldable and not quarantine.recorded
     assert quarantine.unfolded_sequence == len(victim) + 1

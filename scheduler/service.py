@@ -4,7 +4,8 @@ For each batch from ``inbox`` it decides, appends the events to ``events`` (on t
 partition number, so a task's commands and history always share a partition), sends the agent requests
 and status updates those events call for, and commits the inbox offsets, all in one Kafka transaction.
 Owning an inbox partition in the consumer group is the lock on its tasks; before handling any command of
-a newly assigned partition it restores that partition's tasks by folding ``events``.
+a newly assigned partition it restores that partition's tasks by folding ``events``, on a thread of its own
+with the partition paused (the consumer runtime's ``on_assign_paused``), not in the rebalance callback.
 
 An attempt's request carries its start-by and the length of its work deadline; the agent that takes it
 acknowledges on ``inbox`` (``AttemptAccepted``) and the decider records ``StepAccepted``, which starts the
@@ -116,6 +117,12 @@ class Scheduler:
         # What each task touched by the open transaction was before it (state, quarantine): an aborted batch
         # puts back these tasks only, instead of folding every owned partition again.
         self._batch: dict[tuple[int, str], tuple[TaskState | None, Quarantine | None]] = {}
+        # Records read by the last restore of each partition: what a restore costs (logged, and benchmarked).
+        self.restored_records: dict[int, int] = {}
+        # Restores run on the runtime's preparing thread: a revocation (on the loop's thread) moves a partition's
+        # epoch on, and a restore installs its fold only if the epoch it began in is still current.
+        self._ownership = threading.Lock()
+        self._epochs: dict[int, int] = {}
         # Quarantines found while restoring are recorded at once, outside the consumer's transactions: a
         # restore runs before any batch, and a quarantine already on the log is never recorded twice.
         self._recorder = EventProducer(bootstrap)
@@ -274,33 +281,46 @@ class Scheduler:
     # -- partition ownership ------------------------------------------------------------------
 
     def restore(self, partitions: list[TopicPartition]) -> None:
-        """Fold ``events`` of each newly owned partition before any of its commands is handled."""
+        """Fold ``events`` of each newly owned partition before any of its commands is handled.
+
+        Runs on the runtime's preparing thread while the partitions are paused (``on_assign_paused``); the
+        loop goes on polling meanwhile. A partition revoked while its fold ran is not installed: its epoch
+        moved on (``forget``), and a later assignment restores it afresh.
+        """
         for tp in partitions:
+            epoch = self._epochs.get(tp.partition, 0)
             fold = PartitionFold(default_codec(), self.sealer.unseal)
-            reader = ReplayReader(self.bootstrap, self.layout.events, partitions=[tp.partition])
             records = 0
-            for partition, offset, key, value in reader.raw():
+            for partition, offset, key, value in ReplayReader(self.bootstrap, self.layout.events,
+                                                              partitions=[tp.partition]).raw():
                 fold.add(key, value, f"{partition}:{offset}")
                 records += 1
-            tasks = self._tasks[tp.partition] = fold.tasks
-            self._quarantined[tp.partition] = {}
-            for quarantine in fold.quarantined.values():
-                self._quarantine(tp.partition, quarantine, self._recorder)
+            with self._ownership:
+                if self._epochs.get(tp.partition, 0) != epoch:
+                    log.info("partition revoked while restoring", partition=tp.partition)
+                    continue
+                self.restored_records[tp.partition] = records
+                tasks = self._tasks[tp.partition] = fold.tasks
+                self._quarantined[tp.partition] = {}
+                for quarantine in fold.quarantined.values():
+                    self._quarantine(tp.partition, quarantine, self._recorder)
+                QUARANTINED.labels(str(tp.partition)).set(len(fold.quarantined))
+                self._live[tp.partition] = sum(1 for state in tasks.values() if not state.is_terminal)
+                IN_FLIGHT.labels(str(tp.partition)).set(self.in_flight(tp.partition))
             self._recorder.flush()
-            QUARANTINED.labels(str(tp.partition)).set(len(fold.quarantined))
-            self._live[tp.partition] = sum(1 for state in tasks.values() if not state.is_terminal)
-            IN_FLIGHT.labels(str(tp.partition)).set(self.in_flight(tp.partition))
             log.info("partition restored", partition=tp.partition, tasks=len(tasks),
                      in_flight=self.in_flight(tp.partition), events=records, quarantined=len(fold.quarantined),
                      unattributed=fold.unattributed)
 
     def forget(self, partitions: list[TopicPartition]) -> None:
-        for tp in partitions:
-            self._tasks.pop(tp.partition, None)
-            self._live.pop(tp.partition, None)
-            self._quarantined.pop(tp.partition, None)
-            for key in [key for key in self._batch if key[0] == tp.partition]:
-                del self._batch[key]  # a restore of the partition, not the batch, is its truth from now on
+        with self._ownership:
+            for tp in partitions:
+                self._epochs[tp.partition] = self._epochs.get(tp.partition, 0) + 1
+                self._tasks.pop(tp.partition, None)
+                self._live.pop(tp.partition, None)
+                self._quarantined.pop(tp.partition, None)
+                for key in [key for key in self._batch if key[0] == tp.partition]:
+                    del self._batch[key]  # a restore of the partition, not the batch, is its truth from now on
 
     def committed(self) -> None:
         """The open transaction committed: the states of its tasks are the log's now."""
@@ -336,9 +356,6 @@ def build_scheduler(kafka: KafkaSettings, consumer: ConsumerSettings, registry: 
     # A stable instance name lets a restarted scheduler fence its own zombie at once.
     transactional_id = f"{layout.prefix}scheduler-{instance or uuid.uuid4().hex}"
 
-    def on_assign(partitions: list[TopicPartition]) -> None:
-        scheduler.restore(partitions)
-
     return ConsumerRuntime(
         bootstrap=bootstrap,
         group_id=layout.scheduler_group,
@@ -347,7 +364,7 @@ def build_scheduler(kafka: KafkaSettings, consumer: ConsumerSettings, registry: 
         dlq_topic=layout.dlq,
         settings=consumer,
         transactional_id=transactional_id,
-        on_assign=on_assign,
+        on_assign_paused=scheduler.restore,
         on_revoke=scheduler.forget,
         on_abort=scheduler.recover_batch,
         on_commit=scheduler.committed,

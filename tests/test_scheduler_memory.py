@@ -8,6 +8,7 @@ reading the log again (no broker here: a restore would need one).
 
 from __future__ import annotations
 
+from contextlib import closing
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -17,6 +18,7 @@ import pytest
 from demo.workflows import REGISTRY
 from eventstore.runtime import Record
 from eventstore.topics import TopicLayout
+from projections.store import SqliteStore
 from scheduler.decider import FINAL, Command, Limits, TaskState, decide, fold
 from scheduler.service import Scheduler
 from schemas.messages import (
@@ -29,7 +31,9 @@ from schemas.messages import (
     SubmitTask,
     TaskAccepted,
 )
+from tests.kafka_helpers import wait_for
 from tests.recorded import load, recordings
+from tests.system import System
 
 NOW = datetime(2027, 1, 1, tzinfo=UTC)
 FINISHED = [task for path in recordings() for task in load(path) if task.state["status"] in FINAL]
@@ -141,3 +145,30 @@ def test_an_aborted_batch_puts_back_only_its_own_tasks_as_they_were_when_it_bega
     assert made._tasks[1] == {} and (made.in_flight(0), made.in_flight(1)) == (1, 0)
     again = handle(made, submit("dropped"))
     assert any(isinstance(m, TaskAccepted) for _t, m in again.sent), "the aborted submission is decided again"
+
+
+# ---- the whole system ------------------------------------------------------------------------------------
+
+
+@pytest.mark.kafka
+def test_a_task_finished_before_a_restart_takes_its_submission_again_as_a_repeat_and_refuses_other_data(
+    system: System,
+) -> None:
+    system.start()
+    system.submit("long-done", version=1)
+    assert system.wait_terminal(["long-done"], timeout_s=90) == {"long-done": "completed"}
+    assert system.procs.terminate("scheduler") == 0
+    system.restart("scheduler")  # restores the finished task settled
+    before = system.events("long-done")
+
+    system.submit("long-done", version=1)
+    system.submit("long-done", {"order_id": "long-done", "sku": "B-2", "qty": 5, "amount": 50}, version=1)
+    with closing(SqliteStore(system.store_path)) as store:
+        assert wait_for(lambda: any(d["message_key"] == "long-done" for d in store.dlq_entries()), timeout_s=60)
+        (dead,) = [d for d in store.dlq_entries() if d["message_key"] == "long-done"]
+        assert dead["reason"].startswith("contradictory duplicate submission"), dead["reason"]
+        assert (store.task("long-done") or {})["status"] == "completed"
+    after = system.events("long-done")
+    assert after[: len(before)] == before
+    assert [type(e).__name__ for e in after[len(before):]] == ["OperatorAlert"], \
+        "the repeat changed nothing; the contradiction only raised an alert"

@@ -79,6 +79,9 @@ from schemas.sealed import Keyring
 log = structlog.get_logger("stepstream.scheduler")
 
 IN_FLIGHT = Gauge("stepstream_tasks_in_flight", "Non-terminal tasks owned by this scheduler", ["partition"])
+HELD = Gauge("stepstream_scheduler_tasks_held",
+             "Tasks whose state this scheduler holds in memory, finished ones settled (TaskState.settled)",
+             ["partition"])
 QUARANTINED = Gauge("stepstream_tasks_quarantined", "Tasks set aside because their history does not fold",
                     ["partition"])
 
@@ -161,6 +164,7 @@ class Scheduler:
             # A finished task leaves memory but for what a late command to it can still need.
             tasks[command.task_id] = state.settled() if state.status in FINAL else state
             self._count_live(record.partition, (not state.is_terminal) - was_live)
+            HELD.labels(str(record.partition)).set(len(tasks))
         if decision.dead_letter is not None:
             # The alert event (if any) is already in this transaction; the command itself is dead-lettered.
             raise PoisonMessageError(decision.dead_letter)
@@ -307,6 +311,7 @@ class Scheduler:
                 QUARANTINED.labels(str(tp.partition)).set(len(fold.quarantined))
                 self._live[tp.partition] = sum(1 for state in tasks.values() if not state.is_terminal)
                 IN_FLIGHT.labels(str(tp.partition)).set(self.in_flight(tp.partition))
+                HELD.labels(str(tp.partition)).set(len(tasks))
             self._recorder.flush()
             log.info("partition restored", partition=tp.partition, tasks=len(tasks),
                      in_flight=self.in_flight(tp.partition), events=records, quarantined=len(fold.quarantined),
@@ -338,6 +343,7 @@ class Scheduler:
                 tasks[task_id] = state
             self._count_live(partition, (state is not None and not state.is_terminal)
                              - (ahead is not None and not ahead.is_terminal))
+            HELD.labels(str(partition)).set(len(tasks))
             quarantined = self._quarantined.setdefault(partition, {})
             quarantined.pop(task_id, None)
             if quarantine is not None:

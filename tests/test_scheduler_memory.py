@@ -14,6 +14,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY as REGISTRY_METRICS
 
 from demo.workflows import REGISTRY
 from eventstore.runtime import Record
@@ -142,6 +143,7 @@ def test_an_aborted_batch_puts_back_only_its_own_tasks_as_they_were_when_it_bega
 
     made.recover_batch()
     assert made._tasks[0] == {"kept": kept}, "the accepted attempt is undone, the new task forgotten"
+    assert REGISTRY_METRICS.get_sample_value("stepstream_scheduler_tasks_held", {"partition": "0"}) == 1
     assert made._tasks[1] == {} and (made.in_flight(0), made.in_flight(1)) == (1, 0)
     again = handle(made, submit("dropped"))
     assert any(isinstance(m, TaskAccepted) for _t, m in again.sent), "the aborted submission is decided again"

@@ -28,10 +28,13 @@ class Health:
         self._clock = clock
         self._last_beat: float | None = None
         self._draining = False
+        self.turns = 0
+        """How often the loop turned: that it keeps polling, where nothing else shows it (a paused partition)."""
 
     def beat(self) -> None:
         """The main loop turned (called once per poll)."""
         self._last_beat = self._clock()
+        self.turns += 1
 
     def draining(self) -> None:
         """The service stops taking work: no longer ready, still alive while it drains."""

@@ -17,6 +17,7 @@ back-off, never dead-lettered, with the partitions paused so the group membershi
 from __future__ import annotations
 
 import contextlib
+import queue
 import random
 import threading
 import time
@@ -105,8 +106,10 @@ class ConsumerRuntime:
         codec: Codec | None = None,
         transactional_id: str | None = None,
         on_assign: AssignCallback | None = None,
+        on_assign_paused: PartitionCallback | None = None,
         on_revoke: PartitionCallback | None = None,
         on_abort: Callable[[], None] | None = None,
+        on_commit: Callable[[], None] | None = None,
         on_batch_end: Callable[[], None] | None = None,
         consumer_overrides: dict[str, Any] | None = None,
         stop_event: threading.Event | None = None,
@@ -120,7 +123,20 @@ class ConsumerRuntime:
         self.exactly_once = transactional_id is not None
         self._on_assign = on_assign
         self._on_revoke = on_revoke
+        # Work a newly assigned partition needs before its first record (the scheduler's restore). It runs on
+        # a thread of its own while the partition is paused, and the loop resumes the partition once it is
+        # done: a long one neither holds up the other partitions nor keeps the loop from polling, so it cannot
+        # outlast max.poll.interval.ms and cost the group a rebalance. Each assignment gets a generation, so
+        # the work of an assignment revoked meanwhile never resumes a later one.
+        self._on_assign_paused = on_assign_paused
+        self._preparing: dict[tuple[str, int], int] = {}
+        self._prepared: queue.SimpleQueue[tuple[list[TopicPartition], int, BaseException | None]] = \
+            queue.SimpleQueue()
+        self._generation = 0
         self._on_abort = on_abort
+        # Exactly-once: told when a batch's transaction committed, as ``on_abort`` is when one was aborted, so
+        # a service that keeps state derived from the batch knows which of it is now durable.
+        self._on_commit = on_commit
         # Called when a batch's work is about to be committed (end of batch, rebalance, shutdown), after
         # the handler ran for each of its records and before their offsets are stored or committed: a
         # handler that buffers (the projector writes a batch in one database transaction) makes its
@@ -178,6 +194,7 @@ class ConsumerRuntime:
             opened, handled = 0.0, 0
             while not self._stop.is_set():
                 HEALTH.beat()
+                self._resume_prepared()
                 growing = bool(self._done)
                 room = self.settings.batch_size - handled if growing else self.settings.batch_size
                 batch = consume_available(self._consumer, room, 0 if growing else self.settings.poll_timeout_s)
@@ -305,7 +322,8 @@ class ConsumerRuntime:
                     raise _Revoked()
         finally:
             self._retrying = False
-            self._consumer.resume(self._consumer.assignment())
+            self._consumer.resume([tp for tp in self._consumer.assignment()
+                                   if (tp.topic, tp.partition) not in self._preparing])
             for (topic, partition), offset in rewind.items():
                 if (topic, partition) in self._assigned:
                     self._consumer.seek(TopicPartition(topic, partition, offset))
@@ -341,6 +359,8 @@ class ConsumerRuntime:
             self.output.send_offsets(offsets, self._consumer.consumer_group_metadata())
             self.output.commit()
             self._in_transaction = False
+            if self._on_commit is not None:
+                self._on_commit()
         except KafkaException as exc:
             if is_fatal(exc):
                 raise  # fenced by a newer instance, or the producer is broken: exit, a restart recovers
@@ -383,6 +403,35 @@ class ConsumerRuntime:
             positioned = self._on_assign(partitions)
             if positioned is not None:
                 consumer.assign(positioned)
+        if self._on_assign_paused is not None:
+            consumer.assign(partitions)
+            consumer.pause(partitions)
+            self._generation += 1
+            self._preparing.update({(tp.topic, tp.partition): self._generation for tp in partitions})
+            threading.Thread(target=self._prepare, args=(partitions, self._generation), daemon=True,
+                             name="prepare-partitions").start()
+
+    def _prepare(self, partitions: list[TopicPartition], generation: int) -> None:
+        assert self._on_assign_paused is not None
+        failure: BaseException | None = None
+        try:
+            self._on_assign_paused(partitions)
+        except BaseException as exc:  # handed to the loop, which stops the service with it
+            failure = exc
+        self._prepared.put((partitions, generation, failure))
+
+    def _resume_prepared(self) -> None:
+        """Resume the partitions whose preparation finished (and is still theirs); re-raise one that failed."""
+        while not self._prepared.empty():
+            partitions, generation, failure = self._prepared.get()
+            if failure is not None:
+                raise failure
+            ready = [tp for tp in partitions if self._preparing.get((tp.topic, tp.partition)) == generation]
+            for tp in ready:
+                del self._preparing[(tp.topic, tp.partition)]
+            if ready:
+                self._consumer.resume(ready)
+                log.info("partitions ready", group=self.group_id, partitions=_names(ready))
 
     def _revoked_cb(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
         """Commit what is done before the partitions move (callbacks run inside ``consume``: between batches,
@@ -391,6 +440,7 @@ class ConsumerRuntime:
         self._commit_before_revoke(partitions)
         for tp in partitions:
             self._assigned.discard((tp.topic, tp.partition))
+            self._preparing.pop((tp.topic, tp.partition), None)
             self._processed.pop((tp.topic, tp.partition), None)
             with contextlib.suppress(KeyError):
                 CONSUMER_LAG.remove(self.group_id, tp.topic, str(tp.partition))

@@ -154,6 +154,10 @@ MIGRATIONS: tuple[tuple[int, Script], ...] = (
         -- dashboard: waiting steps, soonest retry first (partial: only waiting rows are in it)
         create index steps_waiting on steps (retry_at, task_id, step) where status = 'waiting';
     """),
+    (6, """
+        -- a task whose history the scheduler cannot fold is 'quarantined' until an operator releases it: why
+        alter table tasks add column quarantine_reason text;
+    """),
 )
 
 

@@ -41,7 +41,9 @@ from schemas.messages import (
     TaskCompensationFailed,
     TaskCompleted,
     TaskFailed,
+    TaskQuarantined,
     TaskRejected,
+    TaskReleased,
 )
 from schemas.states import StepStatus, TaskStatus
 
@@ -205,6 +207,13 @@ def project(db: Executor, event: Event) -> None:
             db.execute("update steps set retry_at = ?, updated_at = ? where task_id = ? and step = ?",
                        (at, at, event.task_id, event.step))
             db.execute("update tasks set retry_at = ? where task_id = ?", (at, event.task_id))
+        case TaskQuarantined():
+            # Set aside by the scheduler (its history does not fold): no command runs until a release.
+            db.execute("update tasks set status = ?, quarantine_reason = ? where task_id = ?",
+                       (TaskStatus.QUARANTINED, event.reason, event.task_id))
+        case TaskReleased():
+            db.execute("update tasks set status = ?, quarantine_reason = null where task_id = ?",
+                       (event.status, event.task_id))
         case MessageIgnored() | OperatorCommandRefused():
             pass
     db.execute(task_update, (event.sequence, at, event.task_id))

@@ -35,7 +35,7 @@ T = TypeVar("T")
 # Tables that are not part of the projection: never compared, never swapped.
 BOOKKEEPING = frozenset({"schema_migrations", "sqlite_sequence", "sqlite_stat1", "sqlite_stat4"})
 TASK_COLUMNS = ("task_id, workflow, workflow_version, status, sequence, current_step, failure_count, error, "
-                "created_at, updated_at, retry_at, wait_reason")
+                "created_at, updated_at, retry_at, wait_reason, quarantine_reason")
 
 
 def _status_in(statuses: Sequence[StepStatus]) -> str:

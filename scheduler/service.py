@@ -4,7 +4,8 @@ For each batch from ``inbox`` it decides, appends the events to ``events`` (on t
 partition number, so a task's commands and history always share a partition), sends the agent requests
 and status updates those events call for, and commits the inbox offsets, all in one Kafka transaction.
 Owning an inbox partition in the consumer group is the lock on its tasks; before handling any command of
-a newly assigned partition it restores that partition's tasks by folding ``events``.
+a newly assigned partition it restores that partition's tasks by folding ``events``, on a thread of its own
+with the partition paused (the consumer runtime's ``on_assign_paused``), not in the rebalance callback.
 
 An attempt's request carries its start-by and the length of its work deadline; the agent that takes it
 acknowledges on ``inbox`` (``AttemptAccepted``) and the decider records ``StepAccepted``, which starts the
@@ -24,6 +25,7 @@ from __future__ import annotations
 import threading
 import uuid
 from datetime import UTC, datetime
+from typing import Any
 
 import structlog
 from confluent_kafka import TopicPartition
@@ -48,16 +50,19 @@ from scheduler.decider import (
     pending,
     same_timer,
 )
+from scheduler.quarantine import UNFOLDABLE, PartitionFold, Quarantine
 from scheduler.sealing import EventSealer
 from scheduler.timers import TimerQueue
 from scheduler.traces import record_spans
 from scheduler.workflow import WorkflowRegistry
+from schemas.codec import default_codec
 from schemas.messages import (
     AgentRequest,
     AttemptAccepted,
     CompensationStarted,
     Event,
     Message,
+    OperatorAlert,
     OperatorCommand,
     RecoverStep,
     RetryDue,
@@ -74,14 +79,21 @@ from schemas.messages import (
     TaskCompensationFailed,
     TaskCompleted,
     TaskFailed,
+    TaskQuarantined,
     TaskRejected,
+    TaskReleased,
 )
 from schemas.sealed import Keyring
-from schemas.states import StepStatus, TaskStatus, step_progress
+from schemas.states import FINAL, StepStatus, TaskStatus, step_progress
 
 log = structlog.get_logger("stepstream.scheduler")
 
 IN_FLIGHT = Gauge("stepstream_tasks_in_flight", "Non-terminal tasks owned by this scheduler", ["partition"])
+HELD = Gauge("stepstream_scheduler_tasks_held",
+             "Tasks whose state this scheduler holds in memory, finished ones settled (TaskState.settled)",
+             ["partition"])
+QUARANTINED = Gauge("stepstream_tasks_quarantined", "Tasks set aside because their history does not fold",
+                    ["partition"])
 
 _STATUS_OF: dict[type[Event], str] = {
     TaskAccepted: TaskStatus.ACCEPTED,
@@ -118,6 +130,19 @@ class Scheduler:
         self._firings = EventProducer(bootstrap)
         self.timers = TimerQueue(self._fire, lambda: self._firings.flush(10.0), self._timer_is_current,
                                  stop or threading.Event())
+        self._quarantined: dict[int, dict[str, Quarantine]] = {}
+        # What each task touched by the open transaction was before it (state, quarantine): an aborted batch
+        # puts back these tasks only, instead of folding every owned partition again.
+        self._batch: dict[tuple[int, str], tuple[TaskState | None, Quarantine | None]] = {}
+        # Records read by the last restore of each partition: what a restore costs (logged, and benchmarked).
+        self.restored_records: dict[int, int] = {}
+        # Restores run on the runtime's preparing thread: a revocation (on the loop's thread) moves a partition's
+        # epoch on, and a restore installs its fold only if the epoch it began in is still current.
+        self._ownership = threading.Lock()
+        self._epochs: dict[int, int] = {}
+        # Quarantines found while restoring are recorded at once, outside the consumer's transactions: a
+        # restore runs before any batch, and a quarantine already on the log is never recorded twice.
+        self._recorder = EventProducer(bootstrap)
 
     # -- commands -----------------------------------------------------------------------------
 
@@ -127,21 +152,38 @@ class Scheduler:
             raise PoisonMessageError(f"{type(command).__name__} is not a command the scheduler takes")
         tasks = self._tasks.setdefault(record.partition, {})
         state = tasks.get(command.task_id)
+        quarantine = self._quarantined.get(record.partition, {}).get(command.task_id)
+        self._batch.setdefault((record.partition, command.task_id), (state, quarantine))
+        if quarantine is not None:
+            self._release_or_refuse(quarantine, command, state, record.partition, output)
+            return
         was_live = state is not None and not state.is_terminal
+        before = state
         with span_for(command.task_id, f"scheduler {type(command).__name__}", record.headers):
-            decision = decide(command, state, registry=self.registry, now=datetime.now(UTC),
-                              in_flight=self.in_flight(record.partition), limits=self.limits)
-            for event in decision.events:
-                before, state = state, evolve(state, event)
+            try:
+                decision = decide(command, state, registry=self.registry, now=datetime.now(UTC),
+                                  in_flight=self.in_flight(record.partition), limits=self.limits)
+                decided = [(event, state := evolve(state, event)) for event in decision.events]
+            except UNFOLDABLE as exc:
+                if before is None:
+                    raise
+                # This version's decider refuses what it decided itself: set the task aside, not the partition.
+                self._quarantine(record.partition, Quarantine(
+                    command.task_id, f"{type(command).__name__} does not fold: {exc}", before.workflow,
+                    before.workflow_version, before.sequence + 1, command.message_id), output)
+                raise PoisonMessageError(f"task quarantined: {exc}") from exc
+            previous = before
+            for event, after in decided:
                 output.send(self.layout.events, self.sealer.seal(event), partition=record.partition)
-                self._effects(event, state, command, output)
-                record_spans(event, before)
+                self._effects(event, after, command, output)
+                record_spans(event, previous)
+                previous = after
         if state is not None:
-            tasks[command.task_id] = state
+            # A finished task leaves memory but for what a late command to it can still need.
+            tasks[command.task_id] = state.settled() if state.status in FINAL else state
             self.timers.arm(record.partition, pending(state), state.task_id)
-            live = self._live.get(record.partition, 0) + (not state.is_terminal) - was_live
-            self._live[record.partition] = live
-            IN_FLIGHT.labels(str(record.partition)).set(live)
+            self._count_live(record.partition, (not state.is_terminal) - was_live)
+            HELD.labels(str(record.partition)).set(len(tasks))
         if decision.dead_letter is not None:
             # The alert event (if any) is already in this transaction; the command itself is dead-lettered.
             raise PoisonMessageError(decision.dead_letter)
@@ -159,6 +201,53 @@ class Scheduler:
         state = self._tasks.get(partition, {}).get(due.task_id)
         current = pending(state) if state is not None else None
         return current is not None and same_timer(current, due)
+    def _count_live(self, partition: int, change: int) -> None:
+        live = self._live[partition] = self._live.get(partition, 0) + change
+        IN_FLIGHT.labels(str(partition)).set(live)
+
+    # -- quarantine -----------------------------------------------------------------------------
+
+    def _release_or_refuse(self, quarantine: Quarantine, command: Message, state: TaskState | None, partition: int,
+                           output: EventProducer) -> None:
+        """A quarantined task's command: an operator's release of a task this version folds lets it go on;
+        anything else is dead-lettered with the reason it was set aside."""
+        if not (isinstance(command, OperatorCommand) and command.action == "release"):
+            raise PoisonMessageError(f"task quarantined: {quarantine.reason}")
+        if not quarantine.foldable or state is None:
+            raise PoisonMessageError(f"task quarantined: this version cannot fold its history either: "
+                                     f"{quarantine.reason}")
+        released = TaskReleased(task_id=state.task_id, sequence=state.sequence + 1, workflow=state.workflow,
+                                workflow_version=state.workflow_version, causation_id=command.message_id,
+                                status=state.status, command_id=command.command_id, operator=command.operator)
+        self._tasks[partition][state.task_id] = evolve(state, released)
+        output.send(self.layout.events, released, partition=partition)
+        del self._quarantined[partition][state.task_id]
+        QUARANTINED.labels(str(partition)).set(len(self._quarantined[partition]))
+        log.warning("task released from quarantine", task_id=state.task_id, partition=partition,
+                    operator=command.operator, status=state.status)
+
+    def _quarantine(self, partition: int, quarantine: Quarantine, output: EventProducer) -> None:
+        """Set a task aside, and say why on the log (an alert, then the quarantine) unless it already does.
+        The state of a task this version cannot fold leaves memory; one it folds stays, for its release."""
+        if not quarantine.foldable:
+            self._tasks.get(partition, {}).pop(quarantine.task_id, None)
+        owned = self._quarantined.setdefault(partition, {})
+        owned[quarantine.task_id] = quarantine
+        QUARANTINED.labels(str(partition)).set(len(owned))
+        log.error("task quarantined", task_id=quarantine.task_id, partition=partition, reason=quarantine.reason,
+                  recorded=quarantine.recorded)
+        if quarantine.recorded:
+            return
+        common: dict[str, Any] = {"task_id": quarantine.task_id, "workflow": quarantine.workflow,
+                  "workflow_version": quarantine.workflow_version, "causation_id": quarantine.causation_id}
+        sequence = quarantine.next_sequence
+        output.send(self.layout.events, OperatorAlert(**common, sequence=sequence,
+                                                      reason=f"task quarantined: {quarantine.reason}"),
+                    partition=partition)
+        output.send(self.layout.events, TaskQuarantined(**common, sequence=sequence + 1, reason=quarantine.reason,
+                                                        unfolded_sequence=quarantine.unfolded_sequence),
+                    partition=partition)
+        quarantine.next_sequence, quarantine.recorded = sequence + 2, True
 
     def _effects(self, event: Event, state: TaskState, command: Message, output: EventProducer) -> None:
         if isinstance(event, StepStarted | StepCompensationStarted):
@@ -224,33 +313,75 @@ class Scheduler:
     # -- partition ownership ------------------------------------------------------------------
 
     def restore(self, partitions: list[TopicPartition]) -> None:
-        """Fold ``events`` of each newly owned partition before any of its commands is handled."""
+        """Fold ``events`` of each newly owned partition before any of its commands is handled.
+
+        Runs on the runtime's preparing thread while the partitions are paused (``on_assign_paused``); the
+        loop goes on polling meanwhile. A partition revoked while its fold ran is not installed: its epoch
+        moved on (``forget``), and a later assignment restores it afresh.
+        """
         for tp in partitions:
-            tasks: dict[str, TaskState] = {}
-            reader = ReplayReader(self.bootstrap, self.layout.events, partitions=[tp.partition])
-            for record in reader:
-                if isinstance(record.message, Event):
-                    event = self.sealer.unseal(record.message)
-                    tasks[event.task_id] = evolve(tasks.get(event.task_id), event)
-            self._tasks[tp.partition] = tasks
-            for state in tasks.values():
-                self.timers.arm(tp.partition, pending(state), state.task_id)
-            self._live[tp.partition] = sum(1 for state in tasks.values() if not state.is_terminal)
-            IN_FLIGHT.labels(str(tp.partition)).set(self.in_flight(tp.partition))
+            epoch = self._epochs.get(tp.partition, 0)
+            fold = PartitionFold(default_codec(), self.sealer.unseal)
+            records = 0
+            for partition, offset, key, value in ReplayReader(self.bootstrap, self.layout.events,
+                                                              partitions=[tp.partition]).raw():
+                fold.add(key, value, f"{partition}:{offset}")
+                records += 1
+            with self._ownership:
+                if self._epochs.get(tp.partition, 0) != epoch:
+                    log.info("partition revoked while restoring", partition=tp.partition)
+                    continue
+                self.restored_records[tp.partition] = records
+                tasks = self._tasks[tp.partition] = fold.tasks
+                for state in tasks.values():
+                    self.timers.arm(tp.partition, pending(state), state.task_id)
+                self._quarantined[tp.partition] = {}
+                for quarantine in fold.quarantined.values():
+                    self._quarantine(tp.partition, quarantine, self._recorder)
+                QUARANTINED.labels(str(tp.partition)).set(len(fold.quarantined))
+                self._live[tp.partition] = sum(1 for state in tasks.values() if not state.is_terminal)
+                IN_FLIGHT.labels(str(tp.partition)).set(self.in_flight(tp.partition))
+                HELD.labels(str(tp.partition)).set(len(tasks))
+            self._recorder.flush()
             log.info("partition restored", partition=tp.partition, tasks=len(tasks),
-                     in_flight=self.in_flight(tp.partition), events=reader.stats.records)
+                     in_flight=self.in_flight(tp.partition), events=records, quarantined=len(fold.quarantined),
+                     unattributed=fold.unattributed)
 
     def forget(self, partitions: list[TopicPartition]) -> None:
-        for tp in partitions:
-            self.timers.forget(set(self._tasks.pop(tp.partition, {})))
-            self._live.pop(tp.partition, None)
+        with self._ownership:
+            for tp in partitions:
+                self._epochs[tp.partition] = self._epochs.get(tp.partition, 0) + 1
+                self.timers.forget(set(self._tasks.pop(tp.partition, {})))
+                self._live.pop(tp.partition, None)
+                self._quarantined.pop(tp.partition, None)
+                for key in [key for key in self._batch if key[0] == tp.partition]:
+                    del self._batch[key]  # a restore of the partition, not the batch, is its truth from now on
 
-    def restore_all(self) -> None:
-        """After an aborted transaction the in-memory state ran ahead of the log: rebuild it."""
-        owned = [TopicPartition(self.layout.inbox, p) for p in list(self._tasks)]
-        self._tasks.clear()
-        self._live.clear()
-        self.restore(owned)
+    def committed(self) -> None:
+        """The open transaction committed: the states of its tasks are the log's now."""
+        self._batch.clear()
+
+    def recover_batch(self) -> None:
+        """After an aborted transaction the tasks it touched ran ahead of the log: put them back as they were
+        when it began. Every other task is as the log says, so nothing is read again."""
+        for (partition, task_id), (state, quarantine) in self._batch.items():
+            tasks = self._tasks.get(partition)
+            if tasks is None:
+                continue  # revoked meanwhile: its next owner restores it from the log
+            ahead = tasks.pop(task_id, None)
+            if state is not None:
+                tasks[task_id] = state
+            self.timers.arm(partition, pending(state) if state is not None else None, task_id)
+            self._count_live(partition, (state is not None and not state.is_terminal)
+                             - (ahead is not None and not ahead.is_terminal))
+            HELD.labels(str(partition)).set(len(tasks))
+            quarantined = self._quarantined.setdefault(partition, {})
+            quarantined.pop(task_id, None)
+            if quarantine is not None:
+                quarantined[task_id] = quarantine
+            QUARANTINED.labels(str(partition)).set(len(quarantined))
+        log.info("aborted batch recovered", tasks=len(self._batch))
+        self._batch.clear()
 
 
 def build_scheduler(kafka: KafkaSettings, consumer: ConsumerSettings, registry: WorkflowRegistry,
@@ -265,9 +396,6 @@ def build_scheduler(kafka: KafkaSettings, consumer: ConsumerSettings, registry: 
     # A stable instance name lets a restarted scheduler fence its own zombie at once.
     transactional_id = f"{layout.prefix}scheduler-{instance or uuid.uuid4().hex}"
 
-    def on_assign(partitions: list[TopicPartition]) -> None:
-        scheduler.restore(partitions)
-
     return ConsumerRuntime(
         bootstrap=bootstrap,
         group_id=layout.scheduler_group,
@@ -276,8 +404,9 @@ def build_scheduler(kafka: KafkaSettings, consumer: ConsumerSettings, registry: 
         dlq_topic=layout.dlq,
         settings=consumer,
         transactional_id=transactional_id,
-        on_assign=on_assign,
+        on_assign_paused=scheduler.restore,
         on_revoke=scheduler.forget,
-        on_abort=scheduler.restore_all,
+        on_abort=scheduler.recover_batch,
+        on_commit=scheduler.committed,
         stop_event=stop_event,
     )

@@ -327,6 +327,30 @@ class OperatorCommandRefused(Event):
     operator: str | None = None
 
 
+# ---- quarantine ----------------------------------------------------------------------------------
+
+
+class TaskQuarantined(Event):
+    """The scheduler cannot fold this task's history (an event its decider refuses or cannot read): the task
+    is set aside, its commands dead-lettered, until an operator releases it under a version that folds it.
+
+    ``sequence`` follows the last event of the task on the log, read or not, so a fixed version folds it as
+    one more record. ``unfolded_sequence`` is the first event that could not be folded (None: not readable).
+    """
+
+    reason: str
+    unfolded_sequence: int | None = None
+
+
+class TaskReleased(Event):
+    """An operator released a quarantined task whose history this scheduler folds: its commands run again.
+    ``status`` is the task's status as folded, the one the projections show again."""
+
+    status: str
+    command_id: str
+    operator: str | None = None
+
+
 # ---- commands on the inbox ----------------------------------------------------------------------
 
 
@@ -409,15 +433,16 @@ class RecoverStep(Message):
     reason: str
 
 
-OperatorAction = Literal["resubmit", "compensate", "cancel", "retry-compensation", "try-now"]
+OperatorAction = Literal["resubmit", "compensate", "cancel", "retry-compensation", "try-now", "release"]
 
 
 class OperatorCommand(Message):
     """An operator's intervention on one task. The same ``command_id`` again changes nothing.
 
     ``step`` names the step for ``resubmit`` and ``retry-compensation`` (default: the one that failed) and
-    ``try-now`` (default: the one waiting); ``compensate`` and ``cancel`` act on the whole task. The outcome
-    is an event naming ``command_id``: ``OperatorCommandRefused``, or the transition it caused.
+    ``try-now`` (default: the one waiting); ``compensate``, ``cancel`` and ``release`` (of a quarantined task)
+    act on the whole task. The outcome is an event naming ``command_id``: ``OperatorCommandRefused``, or the
+    transition it caused.
     """
 
     kind: ClassVar[str] = "command"
@@ -506,4 +531,6 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     StepRetryScheduled,
     RetryBroughtForward,
     RetryDue,
+    TaskQuarantined,
+    TaskReleased,
 )

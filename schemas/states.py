@@ -19,7 +19,9 @@ class TaskStatus(StrEnum):
     """Where a task stands. The order is the order the API, the CLI and the dashboard list them in.
 
     ``waiting`` is the store's: a running task whose step waits for its retry timer (the decider keeps the
-    task ``running`` and the step ``waiting``)."""
+    task ``running`` and the step ``waiting``). ``quarantined`` is the scheduler's verdict on a task whose
+    history this version cannot fold (``scheduler.quarantine``): not a state of the task machine, and not
+    terminal, since an operator's release lets the task go on."""
 
     ACCEPTED = "accepted"
     RUNNING = "running"
@@ -30,6 +32,7 @@ class TaskStatus(StrEnum):
     COMPENSATED = "compensated"
     COMPENSATION_FAILED = "compensation_failed"
     REJECTED = "rejected"
+    QUARANTINED = "quarantined"
 
 
 class StepStatus(StrEnum):

@@ -28,6 +28,7 @@ from schemas.messages import (
     TaskCompensationFailed,
     TaskCompleted,
     TaskFailed,
+    TaskQuarantined,
     TaskRejected,
 )
 from stepstream.cli import main
@@ -63,9 +64,11 @@ def task_events(task_id: str, state: str, *, workflow: str = "orders", version: 
         add(StepRetryScheduled, step="charge", step_index=0, attempt=2, not_before=at + timedelta(seconds=8),
             reason="back-off after 1 failed attempt(s)", error_kind="server_error")
         return events
-    if state == "completed":
+    if state in ("completed", "quarantined"):
         add(StepSucceeded, step="charge", attempt_id=attempt, output={}, calls=1)
         add(TaskCompleted, output={})
+        if state == "quarantined":
+            add(TaskQuarantined, reason="TaskCompleted does not fold", unfolded_sequence=len(events) + 1)
         return events
     add(StepFailed, step="charge", attempt_id=attempt, error=error, permanent=True, calls=1, failure_count=1)
     add(TaskFailed, step="charge", reason=error)

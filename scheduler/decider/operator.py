@@ -94,6 +94,9 @@ def _check_operator(state: TaskState, command: OperatorCommand) -> tuple[str | N
     if state.current_step is not None:
         current = state.steps[state.current_step]
         doing = f" (step {current.name!r} is {current.status}, attempt {current.lock})"
+    if action == "release":
+        # A quarantined task's commands never reach the decider: the scheduler releases it or dead-letters them.
+        return f"task is {status}: it is not quarantined", None
     if action in ("compensate", "cancel"):
         if command.step is not None:
             return f"{action} acts on the whole task: it takes no step", None

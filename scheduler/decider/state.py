@@ -6,12 +6,12 @@ scheduler service, the API's terminal states) reads a state and never needs to k
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any
 
 from scheduler.workflow import Workflow
-from schemas.states import TERMINAL, StepStatus, TaskStatus
+from schemas.states import FINAL, TERMINAL, StepStatus, TaskStatus
 
 
 @dataclass(frozen=True)
@@ -155,6 +155,22 @@ class TaskState:
     @property
     def is_terminal(self) -> bool:
         return self.status in TERMINAL
+
+    def settled(self) -> TaskState:
+        """What a task that reached a final status (``FINAL``) keeps: no input, outputs, errors or clocks.
+
+        Nothing can start an attempt of a completed or compensated task again, so all a command can still
+        need is the submission's digest (a repeat changes nothing, other data is refused), the status, the
+        sequence, the steps' names, statuses and attempt counts (a late answer is recorded as the fact it is)
+        and the operator command ids already answered. Kept in memory and in the scheduler's restore, this is
+        a few hundred bytes per finished task, whatever its input and outputs held.
+        """
+        if self.status not in FINAL:
+            raise ValueError(f"task {self.task_id!r} is {self.status}: only a finished task is settled")
+        return replace(self, input={}, steps=tuple(
+            replace(step, lease=None, output=None, error=None,
+                    compensation=replace(step.compensation, lease=None, output=None, error=None))
+            for step in self.steps))
 
     def step_input(self) -> dict[str, Any]:
         """What the next attempt's agent gets: the task input and the outputs of the steps before it."""

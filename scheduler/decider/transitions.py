@@ -35,12 +35,18 @@ from schemas.messages import (
     TaskCompensationFailed,
     TaskCompleted,
     TaskFailed,
+    TaskQuarantined,
     TaskRejected,
+    TaskReleased,
 )
 from schemas.states import StepStatus, TaskStatus
 
-_RECORDS = (MessageIgnored, LateResultRecorded, OperatorAlert, OperatorCommandRefused)
-"""Events that record something for operators and change nothing but the sequence (and seen commands)."""
+_RECORDS = (MessageIgnored, LateResultRecorded, OperatorAlert, OperatorCommandRefused, TaskQuarantined, TaskReleased)
+"""Events that record something for operators and change nothing but the sequence (and seen commands).
+
+A quarantine and its release are records too: whether a task is quarantined is the scheduler's to know
+(``scheduler.quarantine``), not a status of the task's state machine, so a version that folds the history
+arrives at the state the task had, and the release lets it go on from there."""
 
 
 class InvalidTransition(ValueError):

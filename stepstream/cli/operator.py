@@ -1,4 +1,4 @@
-"""``stepstream task resubmit|compensate|cancel|retry-compensation TASK_ID``: operators intervene on a task.
+"""``stepstream task resubmit|compensate|cancel|retry-compensation|release TASK_ID``: operators intervene.
 
 Each sub-command produces one ``OperatorCommand`` on ``inbox``, keyed by the task, under a command id the
 operator may choose (``--command-id``): the scheduler answers a command id once, so a command sent again
@@ -11,7 +11,10 @@ the reason. With ``--wait`` this command reads ``events`` until that outcome app
 - ``compensate``: undo the completed steps of a task in ``error``;
 - ``cancel``: stop a running task and undo what it completed (its attempt in flight is abandoned: a late
   answer changes nothing);
-- ``retry-compensation [--step S]``: retry the failed compensation of a task in ``compensation_failed``.
+- ``retry-compensation [--step S]``: retry the failed compensation of a task in ``compensation_failed``;
+- ``release``: let a ``quarantined`` task (its history did not fold) go on, once a scheduler version that
+  folds it runs. Under a version that still cannot, the command is dead-lettered with the reason (and
+  ``--wait`` times out).
 
 Exit codes: 0 sent (with ``--wait``: accepted), 3 no such task (nothing is sent), 6 refused, 124 ``--wait``
 timed out.
@@ -37,6 +40,7 @@ _ACTIONS: dict[OperatorAction, str] = {
     "cancel": "stop a running task and undo what it completed",
     "retry-compensation": "retry the failed compensation of a task in compensation_failed",
     "try-now": "start the next attempt of a waiting step now instead of at its retry time",
+    "release": "let a quarantined task go on, once a scheduler that folds its history runs",
 }
 _TAKES_STEP: frozenset[OperatorAction] = frozenset({"resubmit", "retry-compensation", "try-now"})
 

@@ -280,7 +280,7 @@ def _clip(text: str | None, width: int = ERROR_WIDTH) -> str:
 STATUS_STYLES: dict[TaskStatus, str] = {
     TaskStatus.COMPLETED: "green", TaskStatus.ERROR: "red", TaskStatus.COMPENSATION_FAILED: "bold red",
     TaskStatus.REJECTED: "red", TaskStatus.COMPENSATING: "yellow", TaskStatus.COMPENSATED: "yellow",
-    TaskStatus.RUNNING: "cyan", TaskStatus.WAITING: "magenta",
+    TaskStatus.RUNNING: "cyan", TaskStatus.WAITING: "magenta", TaskStatus.QUARANTINED: "bold magenta",
 }
 
 

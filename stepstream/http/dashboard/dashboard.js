@@ -98,7 +98,8 @@ async function showTimeline(taskId) {
   try {
     const task = await get(`/api/tasks/${encodeURIComponent(taskId)}`);
     summary.textContent = `${task.task_id}: ${task.status} (workflow ${task.workflow} v${task.workflow_version}, ` +
-      `${task.steps.length} steps${task.error ? ", " + task.error : ""})`;
+      `${task.steps.length} steps${task.error ? ", " + task.error : ""}` +
+      `${task.quarantine_reason ? ", quarantined: " + task.quarantine_reason : ""})`;
     list.replaceChildren(...task.timeline.map(e => {
       const item = el("li", null, {"data-sequence": e.sequence});
       const detail = e.event.step ? ` ${e.event.step}` : "";

@@ -1,0 +1,163 @@
+"""The scheduler's restore of a partition against its history: time and resident memory.
+
+Run by hand from the project folder::
+
+    .venv/bin/python -m benchmarks.restore [--sizes 10000,100000,1000000] [--live-every 1000]
+
+The broker is the one named by STEPSTREAM_BOOTSTRAP_SERVERS, else the project's local broker (started if
+needed and left running). For each size, one single-partition ``events`` topic under a fresh prefix (deleted
+at the end) is filled with realistic task histories (tests/histories.py: ~8 events a task, retries, failures,
+alerts; one task in ``--live-every`` left in flight), then each partition is restored twice, each time in a
+process of its own so its resident memory is its own:
+
+- ``full_fold``: what the scheduler did before issue 14, every event folded and every task's whole state kept;
+- ``restore``: ``Scheduler.restore`` as it is now (quarantine-aware fold, finished tasks kept settled).
+
+Both read every event of the partition: the compacted changelog that would let a restore read only the live
+state is not built yet (README, "Scheduler state and restore"). What differs today is memory: the RSS after
+the restore, and from it the figure per finished task.
+
+Progress goes to stderr, the table to stdout; the last line of stdout is one JSON object with ``restore_s``,
+``full_fold_s`` (the largest partition) and ``rss_mb`` (the scheduler after restoring it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import orjson
+from confluent_kafka import Producer, TopicPartition
+from confluent_kafka.admin import AdminClient
+from rich.console import Console
+from rich.table import Table
+
+from benchmarks.replay import bootstrap_servers
+from demo.workflows import REGISTRY
+from eventstore.kafka_config import producer_config
+from eventstore.replay import ReplayReader
+from eventstore.topics import TopicLayout, ensure_topics
+from scheduler.decider import Limits, TaskState, evolve
+from scheduler.service import Scheduler
+from schemas.codec import default_codec
+from schemas.messages import Event
+from tests.histories import histories
+
+console = Console(stderr=True)
+
+
+def fill(bootstrap: str, topic: str, events: int, live_every: int) -> int:
+    """Produce task histories into partition 0 of ``topic`` until ``events`` events; returns the task count."""
+    codec = default_codec()
+    producer = Producer(producer_config(bootstrap))
+    tasks = 0
+    last = ""
+    for sent, event in enumerate(histories(events // 7 + 1, seed=42, prefix=f"restore{events}",
+                                           in_flight_every=live_every)):
+        if sent >= events and event.task_id != last:
+            break  # whole histories only
+        if event.task_id != last:
+            tasks, last = tasks + 1, event.task_id
+        while True:
+            try:
+                producer.produce(topic, key=event.task_id, value=codec.encode(event), partition=0)
+                break
+            except BufferError:
+                producer.poll(0.1)
+    producer.flush(120)
+    return tasks
+
+
+def rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def measure(kind: str, bootstrap: str, prefix: str) -> dict[str, Any]:
+    """One restore of partition 0 in this process: seconds, records read, tasks, live ones, RSS after."""
+    layout = TopicLayout(prefix=prefix, partitions=1)
+    base = rss_mb()
+    scheduler = Scheduler(bootstrap=bootstrap, layout=layout, registry=REGISTRY, limits=Limits())
+    started = time.perf_counter()
+    if kind == "full_fold":
+        tasks: dict[str, TaskState] = {}
+        reader = ReplayReader(bootstrap, layout.events, partitions=[0])
+        for record in reader:
+            if isinstance(record.message, Event):
+                tasks[record.message.task_id] = evolve(tasks.get(record.message.task_id), record.message)
+        records, live = reader.stats.records, sum(1 for s in tasks.values() if not s.is_terminal)
+        count = len(tasks)
+    else:
+        scheduler.restore([TopicPartition(layout.inbox, 0)])
+        records, count, live = scheduler.restored_records[0], len(scheduler._tasks[0]), scheduler.in_flight(0)
+    seconds = time.perf_counter() - started
+    return {"seconds": round(seconds, 3), "records": records, "tasks": count, "live": live,
+            "rss_mb": round(rss_mb(), 1), "rss_base_mb": round(base, 1)}
+
+
+def child(kind: str, bootstrap: str, prefix: str) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, "-m", "benchmarks.restore", "--measure", kind, "--bootstrap", bootstrap,
+                          "--prefix", prefix], capture_output=True, text=True, check=True)
+    return orjson.loads(out.stdout.splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="10000,100000,1000000", help="events per partition, comma-separated")
+    parser.add_argument("--live-every", type=int, default=1000, help="one task in N left in flight")
+    parser.add_argument("--measure", choices=("full_fold", "restore"), help=argparse.SUPPRESS)
+    parser.add_argument("--bootstrap", help=argparse.SUPPRESS)
+    parser.add_argument("--prefix", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.measure:
+        sys.stdout.write(orjson.dumps(measure(args.measure, args.bootstrap, args.prefix)).decode() + "\n")
+        return 0
+    bootstrap = bootstrap_servers()
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    figures: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "load_before": os.getloadavg()}}
+    rows = []
+    layouts = []
+    try:
+        for size in (int(s) for s in args.sizes.split(",")):
+            layout = TopicLayout(prefix=f"bench-restore-{uuid.uuid4().hex[:8]}.", partitions=1)
+            layouts.append(layout)
+            ensure_topics(admin, layout.core_specs())
+            console.print(f"filling a partition with {size:,} events")
+            tasks = fill(bootstrap, layout.events, size, args.live_every)
+            full = child("full_fold", bootstrap, layout.prefix)
+            console.print(f"  full fold: {full}")
+            restore = child("restore", bootstrap, layout.prefix)
+            console.print(f"  restore: {restore}")
+            rows.append((size, tasks, full, restore))
+            figures[str(size)] = {"tasks": tasks, "full_fold": full, "restore": restore}
+    finally:
+        for layout in layouts:
+            admin.delete_topics([layout.events, layout.dlq, layout.inbox, layout.supervisor_lease])
+    figures["machine"]["load_after"] = os.getloadavg()
+    table = Table(title="restore of one partition (each in a process of its own)")
+    for column in ("events", "tasks", "live", "full fold s", "restore s", "full fold RSS MB", "restore RSS MB",
+                   "KB/task full", "KB/task restore"):
+        table.add_column(column, justify="right")
+    for size, tasks, full, restore in rows:
+        per = [(r["rss_mb"] - r["rss_base_mb"]) * 1024 / max(tasks, 1) for r in (full, restore)]
+        table.add_row(f"{size:,}", f"{tasks:,}", f"{restore['live']:,}", f"{full['seconds']:.2f}",
+                      f"{restore['seconds']:.2f}", f"{full['rss_mb']:.0f}", f"{restore['rss_mb']:.0f}",
+                      f"{per[0]:.2f}", f"{per[1]:.2f}")
+    Console().print(table)
+    size, tasks, full, restore = rows[-1]
+    figures.update({"events": size, "restore_s": restore["seconds"], "full_fold_s": full["seconds"],
+                    "rss_mb": restore["rss_mb"], "full_fold_rss_mb": full["rss_mb"]})
+    sys.stdout.write(orjson.dumps(figures).decode() + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,47 @@
+"""A newly assigned partition is prepared (the scheduler's restore) off the rebalance callback, paused."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from confluent_kafka import TopicPartition
+
+from eventstore.health import HEALTH
+from eventstore.producer import EventProducer
+from eventstore.topics import TopicLayout
+from schemas.messages import OperatorAlert
+from tests.kafka_helpers import wait_for
+from tests.runtime_harness import running
+
+pytestmark = pytest.mark.kafka
+
+
+def test_a_partition_is_prepared_off_the_rebalance_callback_while_paused_and_its_records_wait_for_it(
+    bootstrap: str, layout: TopicLayout,
+) -> None:
+    """A long preparation neither keeps the loop from polling (max.poll.interval.ms) nor lets a record in early."""
+    preparing, release = threading.Event(), threading.Event()
+    prepared_on: list[str] = []
+    handled: list[bool] = []
+
+    def prepare(_partitions: list[TopicPartition]) -> None:
+        prepared_on.append(threading.current_thread().name)
+        preparing.set()
+        assert release.wait(60)
+
+    producer = EventProducer(bootstrap)
+    for i in range(1, 10):
+        producer.send(layout.inbox, OperatorAlert(task_id=f"task-{i}", sequence=1, workflow="w", workflow_version=1,
+                                                  causation_id="c", reason="a record"))
+    producer.flush()
+    with running(bootstrap, layout, layout.inbox, lambda _r, _o: handled.append(release.is_set()),
+                 on_assign_paused=prepare):
+        assert preparing.wait(30)
+        turns = HEALTH.turns
+        assert wait_for(lambda: HEALTH.turns >= turns + 20, timeout_s=30), "the loop keeps polling meanwhile"
+        assert handled == [], "nothing of a partition being prepared is handled"
+        release.set()
+        assert wait_for(lambda: len(handled) == 9, timeout_s=30)
+    assert all(handled), "every record was handled after its partition was ready"
+    assert prepared_on == ["prepare-partitions"], "prepared on a thread of its own, not in the rebalance callback"

@@ -15,9 +15,15 @@ from typing import Any
 
 import pytest
 from confluent_kafka.admin import AdminClient
+from hypothesis import settings
 
 from eventstore.broker import BrokerInfo, LocalBroker
 from eventstore.topics import TopicLayout, ensure_topics
+
+# Property tests check what holds, not how fast: on two cores shared with broker-backed tests beside them, one
+# example may take longer than hypothesis' default 200 ms deadline, which would fail a correct property.
+settings.register_profile("stepstream", deadline=None)
+settings.load_profile("stepstream")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -35,6 +35,8 @@ __all__ = ["saga"]
 pytestmark = pytest.mark.kafka
 
 TASKS = int(os.environ.get("STEPSTREAM_SOAK_TASKS", "120"))
+PATIENCE_S = 120 + TASKS
+"""How long each phase may take: a task a second at worst, beyond two minutes to start up."""
 SERVICES = ("projector", "scheduler", *AGENTS, *COMPENSATION_AGENTS, "supervisor")
 
 
@@ -70,7 +72,7 @@ def inbox_leader(system: System) -> int:
     return int(topic.topics[system.layout.inbox].partitions[0].leader)
 
 
-@pytest.mark.timeout(1800)  # the default task count takes about a minute; STEPSTREAM_SOAK_TASKS=2000 far longer
+@pytest.mark.timeout(300 + 3 * PATIENCE_S)
 def test_two_of_every_service_on_three_brokers_lose_nothing_and_apply_nothing_twice_through_a_broker_sigkill(
     saga: System, cluster: LocalCluster, postgres_url: str,
 ) -> None:
@@ -85,13 +87,13 @@ def test_two_of_every_service_on_three_brokers_lose_nothing_and_apply_nothing_tw
     def ended() -> int:
         return sum(1 for s in saga.statuses().values() if s in TERMINAL)
 
-    assert wait_for(lambda: ended() >= TASKS // 5, timeout_s=300, interval_s=0.5), saga.logs_tail()
+    assert wait_for(lambda: ended() >= TASKS // 5, timeout_s=PATIENCE_S, interval_s=0.5), saga.logs_tail()
     killed = cluster.node(inbox_leader(saga))
     killed.kill()
-    assert wait_for(lambda: ended() >= TASKS // 2, timeout_s=600, interval_s=0.5), saga.logs_tail()
+    assert wait_for(lambda: ended() >= TASKS // 2, timeout_s=PATIENCE_S, interval_s=0.5), saga.logs_tail()
     killed.start()
 
-    statuses = saga.wait_terminal(ids, timeout_s=max(200, TASKS / 2))  # fails naming every task not ended
+    statuses = saga.wait_terminal(ids, timeout_s=PATIENCE_S)  # fails naming every task not ended
     wrong = disagreements(saga, statuses, ids)
     outcomes = Counter(statuses.values())
     assert not wrong, f"{len(wrong)} of {TASKS} tasks disagree with the service ({dict(outcomes)}): {wrong}"

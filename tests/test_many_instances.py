@@ -7,7 +7,7 @@ broker leading the inbox's first partition is SIGKILLed, and started again once 
 task is terminal, its end agrees with the service's records (nothing applied twice: tests/agreement.py), and
 ``stepstream projections verify`` finds the store equal to a replay of the log.
 
-``STEPSTREAM_SOAK_TASKS`` sets the number of tasks (default 120, about a minute on two idle cores); the
+``STEPSTREAM_SOAK_TASKS`` sets the number of tasks (default 60); the
 README's "Soak runs" records a run with 2,000.
 """
 
@@ -34,7 +34,7 @@ __all__ = ["saga"]
 
 pytestmark = pytest.mark.kafka
 
-TASKS = int(os.environ.get("STEPSTREAM_SOAK_TASKS", "120"))
+TASKS = int(os.environ.get("STEPSTREAM_SOAK_TASKS", "60"))
 PATIENCE_S = 120 + TASKS
 """How long each phase may take: a task a second at worst, beyond two minutes to start up."""
 SERVICES = ("projector", "scheduler", *AGENTS, *COMPENSATION_AGENTS, "supervisor")

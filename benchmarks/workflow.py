@@ -579,7 +579,7 @@ def run_system(bootstrap: str, topics: Topics, tmp: Path, n: int, warmup: int, b
             else:
                 procs.service(name, service_name)
         for name in names:
-            procs.wait_started(name)
+            procs.wait_started(name, timeout_s=180.0)  # sixteen processes importing at once on a busy machine
         # Ready means: every consumer owns its partitions (the scheduler restored each), the supervisor leads;
         # with several instances, each owns some (the warm-up then runs through the settled groups).
         if instances == 1:

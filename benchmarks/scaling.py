@@ -14,9 +14,9 @@ In one run, one after the other, each on fresh topics (P partitions, default 8) 
 
 Both clusters are the project's own brokers (eventstore.cluster.LocalCluster) in a temporary folder, started
 here and stopped after their runs; the two never run at the same time. Per run: tasks/s, steps/s (3 per
-task), outcomes, and each service's CPU seconds over the timed window (its instances summed) with the steps
-per CPU second it sustained, so the figures can size a deployment. Progress goes to stderr; the last line of
-stdout is one JSON object.
+task), outcomes, each consumer group's mean and peak lag, and each service's CPU seconds over the timed
+window (its instances summed) with the steps it handled per CPU second (each agent: its own step), so the
+figures can size a deployment. Progress goes to stderr; the last line of stdout is one JSON object.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import Any
 import orjson
 
 from benchmarks.shared import delete_topics, quiet_stderr, run_facts
-from benchmarks.workflow import STEPS_PER_TASK, SystemRun, Topics, create_topics, run_system
+from benchmarks.workflow import AGENTS, STEPS_PER_TASK, SystemRun, Topics, create_topics, run_system
 from eventstore.cluster import LocalCluster
 from eventstore.logs import configure_logging
 from eventstore.settings import KafkaSettings
@@ -45,7 +45,9 @@ from schemas.codec import default_codec
 
 
 def summary(run: SystemRun, load_before: tuple[float, ...]) -> dict[str, Any]:
-    """One run's figures; per service (instances summed): CPU seconds and steps per CPU second."""
+    """One run's figures; per service (instances summed): CPU seconds, and the steps it handled per CPU
+    second: every step for the scheduler, projector, supervisor, order service and broker, its own step
+    (one per task) for each agent."""
     per_service: dict[str, float] = defaultdict(float)
     for name, seconds in run.cpu.items():
         per_service[name.partition("#")[0]] += seconds
@@ -57,8 +59,10 @@ def summary(run: SystemRun, load_before: tuple[float, ...]) -> dict[str, Any]:
         "tasks_per_s": round(run.tasks_per_s, 1),
         "steps_per_s": round(run.steps_per_s, 1),
         "cpu_seconds": {name: round(seconds, 2) for name, seconds in per_service.items()},
-        "steps_per_cpu_second": {name: round(steps / seconds) for name, seconds in per_service.items()
-                                 if seconds > 0 and name not in ("benchmark", "machine")},
+        "steps_per_cpu_second": {name: round((run.tasks if name in AGENTS else steps) / seconds)
+                                 for name, seconds in per_service.items()
+                                 if seconds > 0 and name not in ("benchmark", "machine", "other")},
+        "consumer_lag": run.lag,
         "exit_codes": run.exit_codes,
         "load_avg_1m_before": round(load_before[0], 2),
         "load_avg_1m_after": round(os.getloadavg()[0], 2),

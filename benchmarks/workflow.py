@@ -545,10 +545,18 @@ class SystemRun:
         return INBOX_PER_TASK * self.tasks / self.elapsed
 
 
+def instance_names(instances: int) -> list[str]:
+    """The processes of a system run: ``instances`` of the scheduler and of each agent (the further ones
+    named ``scheduler#2``, ...: each in its service's consumer group), one projector, one supervisor."""
+    scaled = ("scheduler", *AGENTS)
+    return [*SERVICES, *(f"{name}#{k}" for k in range(2, instances + 1) for name in scaled)]
+
+
 def run_system(bootstrap: str, topics: Topics, tmp: Path, n: int, warmup: int, broker_pid: int | None,
                codec: Codec, profile: Path | None, step: Callable[[str], None], latency_ms: int = 0,
-               concurrency: int | None = None) -> SystemRun:
+               concurrency: int | None = None, instances: int = 1) -> SystemRun:
     layout = topics.layout
+    names = instance_names(instances)
     result = SystemRun(n, warmup, logs=str(tmp / "logs"), profile=profile)
     store = tmp / "state.db"
     (tmp / "logs").mkdir(parents=True, exist_ok=True)
@@ -562,21 +570,25 @@ def run_system(bootstrap: str, topics: Topics, tmp: Path, n: int, warmup: int, b
     procs = ServiceProcesses(env, tmp / "logs", cwd=ROOT)
     watcher = TerminalWatcher(bootstrap, layout.events, layout.partitions, codec)
     try:
-        for name in SERVICES:
-            if name in AGENTS:
-                procs.service(name, "agent", name)
+        for name in names:
+            service_name = name.partition("#")[0]
+            if service_name in AGENTS:
+                procs.service(name, "agent", service_name)
             elif name == "scheduler" and profile is not None:
                 procs.start(name, "cProfile", "-o", str(profile), "-m", "stepstream", "run", "scheduler")
             else:
-                procs.service(name, name)
-        for name in SERVICES:
-            procs.wait_started(name)
-        # Ready means: every consumer owns its partitions (the scheduler restored each), the supervisor leads.
-        procs.wait_started("scheduler", "partition restored", count=layout.partitions, timeout_s=90.0)
-        for name in ("projector", *AGENTS):
-            procs.wait_started(name, "partitions assigned", timeout_s=90.0)
-        procs.wait_started("supervisor", "leadership acquired", timeout_s=90.0)
-        step(f"services up: order service {service.base_url}, {', '.join(SERVICES)}; logs in {tmp / 'logs'}")
+                procs.service(name, service_name)
+        for name in names:
+            procs.wait_started(name, timeout_s=180.0)  # sixteen processes importing at once on a busy machine
+        # Ready means: every consumer owns its partitions (the scheduler restored each), the supervisor leads;
+        # with several instances, each owns some (the warm-up then runs through the settled groups).
+        if instances == 1:
+            procs.wait_started("scheduler", "partition restored", count=layout.partitions, timeout_s=90.0)
+        for name in names:
+            marker = {"scheduler": "partition restored", "supervisor": "leadership acquired"}.get(
+                name.partition("#")[0], "partitions assigned")
+            procs.wait_started(name, marker, timeout_s=90.0)
+        step(f"services up: order service {service.base_url}, {', '.join(names)}; logs in {tmp / 'logs'}")
         watcher.start()
         producer = EventProducer(bootstrap)
         for i in range(warmup):

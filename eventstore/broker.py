@@ -354,7 +354,11 @@ class LocalBroker:
 
 
 def new_cluster_id() -> str:
-    return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+    """A random KRaft cluster id, never starting with '-': ``kafka-storage format --cluster-id -Vx...`` takes
+    such an id for an option and fails (one id in 64 did). Kafka's own ``Uuid.randomUuid`` skips them too."""
+    while (cluster_id := base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")).startswith("-"):
+        pass
+    return cluster_id
 
 
 def min_insync_replicas(replicas: int) -> int:

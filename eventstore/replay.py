@@ -7,11 +7,13 @@ partition had when the replay started: events appended meanwhile belong to the n
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka import Message as KafkaMessage
 
 from eventstore.errors import LogReadError
@@ -20,6 +22,31 @@ from eventstore.runtime import Record
 from eventstore.topics import reader_group
 from schemas.codec import Codec, default_codec
 from schemas.errors import DecodeError
+
+LEADERSHIP_MOVING = frozenset({
+    KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE, KafkaError.FENCED_LEADER_EPOCH,
+    KafkaError.UNKNOWN_LEADER_EPOCH, KafkaError.REPLICA_NOT_AVAILABLE, KafkaError._TRANSPORT,
+})
+"""Errors a watermark query gets while a partition's leadership moves (a broker lost or back, a preferred
+leader elected): librdkafka refreshes its metadata, and the same query asked again reaches the new leader."""
+
+
+def watermarks(consumer: Any, tp: TopicPartition, timeout_s: float = 30.0) -> tuple[int, int]:
+    """(low, high) watermarks of a partition, asked again while its leadership moves, up to ``timeout_s``.
+
+    librdkafka answers a query that reached a former leader with NOT_LEADER_FOR_PARTITION at once rather than
+    retrying it: on a three-broker cluster, after a SIGKILLed broker came back and took its partitions back,
+    ``projections verify`` failed on that alone (exit 69).
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            low, high = consumer.get_watermark_offsets(tp, timeout=max(0.1, deadline - time.monotonic()))
+            return int(low), int(high)
+        except KafkaException as exc:
+            if exc.args[0].code() not in LEADERSHIP_MOVING or time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
 
 
 @dataclass
@@ -72,7 +99,7 @@ class LogRange:
         self.starts: dict[int, int] = {}
         self.ends: dict[int, int] = {}
         for p in self.partitions:
-            low, high = self._consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)
+            low, high = watermarks(self._consumer, TopicPartition(topic, p))
             self.watermarks[p] = (low, high)
             self.starts[p] = max(low, (starts or {}).get(p, low))
             self.ends[p] = min(high, (ends or {}).get(p, high))
@@ -151,7 +178,7 @@ def offsets_at(bootstrap: str, topic: str, when: datetime) -> dict[int, int]:
                                            timeout=30)
         out = {}
         for tp in found:
-            _low, high = consumer.get_watermark_offsets(TopicPartition(topic, tp.partition), timeout=30)
+            _low, high = watermarks(consumer, TopicPartition(topic, tp.partition))
             out[tp.partition] = tp.offset if tp.offset >= 0 else high
         return out
     finally:

@@ -44,9 +44,13 @@ from eventstore.metrics import (
 from eventstore.producer import EventProducer, is_fatal, requires_abort
 from eventstore.settings import ConsumerSettings
 from eventstore.shutdown import GracefulShutdown
+from eventstore.stall import stall_guard
 from schemas.codec import Codec, default_codec
 from schemas.errors import DecodeError
 from schemas.messages import Message
+
+COMMIT_STALL_S = 120.0
+"""How long a transaction's commit may take before the process gives up on it: twice its calls' timeouts."""
 
 log = structlog.get_logger("stepstream.runtime")
 
@@ -356,8 +360,10 @@ class ConsumerRuntime:
 
     def _commit_transaction(self, offsets: list[TopicPartition]) -> None:
         try:
-            self.output.send_offsets(offsets, self._consumer.consumer_group_metadata())
-            self.output.commit()
+            # Both calls have 30 s timeouts librdkafka does not always keep (eventstore.stall).
+            with stall_guard(COMMIT_STALL_S, "transaction commit"):
+                self.output.send_offsets(offsets, self._consumer.consumer_group_metadata())
+                self.output.commit()
             self._in_transaction = False
             if self._on_commit is not None:
                 self._on_commit()

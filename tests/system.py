@@ -12,11 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psycopg
+from psycopg import sql
 
 from demo.orders_client import OrdersAdmin, ServiceProcess
 from eventstore.producer import EventProducer
 from eventstore.replay import ReplayReader
 from eventstore.topics import TopicLayout
+from projections.settings import StoreSpec
 from schemas.messages import Event, SubmitTask
 from schemas.states import TERMINAL
 from stepstream.local.processes import ServiceProcesses
@@ -60,9 +63,17 @@ class System:
 
     def restart(self, name: str, *, wait: bool = True) -> None:
         """(Re)start one service by its name (an agent's, e.g. ``payments-refund``, or scheduler, projector,
-        supervisor, with an optional ``-suffix``); with ``wait``, return once it handles SIGTERM."""
-        kind = name.split("-")[0]
-        self.procs.service(name, *(("agent", name) if kind in AGENTS else (kind,)))
+        supervisor, with an optional ``-suffix``); with ``wait``, return once it handles SIGTERM.
+
+        ``#N`` names a further instance of the same service (``scheduler#2``, ``payments-refund#3``): it joins
+        the first one's consumer group. A scheduler with a stable instance name gets one of its own
+        (``<name>-N``): two schedulers sharing a transactional id would fence each other in turn.
+        """
+        service, _, copy = name.partition("#")
+        kind = service.split("-")[0]
+        own = self.env.get("STEPSTREAM_SCHEDULER_INSTANCE")
+        env = {"STEPSTREAM_SCHEDULER_INSTANCE": f"{own}-{copy}"} if kind == "scheduler" and own and copy else None
+        self.procs.service(name, *(("agent", service) if kind in AGENTS else (kind,)), env=env)
         if wait:
             self.procs.wait_started(name)
 
@@ -104,7 +115,9 @@ class System:
             return dict(row) if row else None
 
     def statuses(self) -> dict[str, str]:
-        """Every task's status in the state store, in one query."""
+        """Every task's status in the state store, in one query (the PostgreSQL one, with STEPSTREAM_STORE_URL)."""
+        if url := self.env.get("STEPSTREAM_STORE_URL"):
+            return postgres_statuses(StoreSpec.parse(url))
         if not self.store_path.exists():
             return {}
         with sqlite3.connect(self.store_path, timeout=10) as db:
@@ -147,3 +160,13 @@ class System:
         codes = self.procs.terminate_all()
         self.admin.close()
         return codes
+
+
+def postgres_statuses(spec: StoreSpec) -> dict[str, str]:
+    """Every task's status in a PostgreSQL store; nothing while its projector has not created the table yet."""
+    try:
+        with psycopg.connect(spec.location, connect_timeout=10) as db:
+            rows = db.execute(sql.SQL("select task_id, status from {}.tasks").format(sql.Identifier(spec.schema)))
+            return {task_id: status for task_id, status in rows.fetchall()}
+    except psycopg.errors.UndefinedTable:
+        return {}

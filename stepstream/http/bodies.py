@@ -37,5 +37,6 @@ class CommandRequest(BaseModel):
 
     action: OperatorAction
     step: str | None = Field(default=None, min_length=1, max_length=200,
-                             description="resubmit / retry-compensation: the step (default: the failed one)")
+                             description="resubmit / retry-compensation / try-now: the step (default: "
+                                         "the failed one, for try-now the waiting one)")
     command_id: str | None = Field(default=None, min_length=1, max_length=200)

@@ -61,8 +61,8 @@ def write_router(writer: TaskWriter | None, settings: ApiSettings) -> APIRouter:
         **unavailable,
     })
     def command_task(task_id: str, request: CommandRequest, who: Annotated[str, Depends(token_holder)]) -> JSONResponse:
-        """An operator command (resubmit, compensate, cancel, retry-compensation); the operator is the
-        token's name."""
+        """An operator command (resubmit, compensate, cancel, retry-compensation, try-now); the operator is
+        the token's name."""
         answer = _guard(lambda: _require(writer).command(task_id, request, who), settings)
         ANSWERS.labels("command", str(answer.status_code)).inc()
         log.info("operator command answered", task_id=task_id, action=request.action, by=who,

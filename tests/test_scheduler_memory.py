@@ -20,7 +20,7 @@ from demo.workflows import REGISTRY
 from eventstore.runtime import Record
 from eventstore.topics import TopicLayout
 from projections.store import SqliteStore
-from scheduler.decider import FINAL, Command, Limits, TaskState, decide, fold
+from scheduler.decider import Command, Limits, TaskState, decide, fold
 from scheduler.service import Scheduler
 from schemas.messages import (
     AttemptAccepted,
@@ -32,6 +32,7 @@ from schemas.messages import (
     SubmitTask,
     TaskAccepted,
 )
+from schemas.states import FINAL
 from tests.kafka_helpers import wait_for
 from tests.recorded import load, recordings
 from tests.system import System

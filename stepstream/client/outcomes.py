@@ -19,6 +19,7 @@ from schemas.messages import (
     OperatorCommandRefused,
     RetryBroughtForward,
     StepResubmitted,
+    TaskReleased,
 )
 
 
@@ -40,6 +41,8 @@ class Outcome:
                 return cls("accepted", f"compensation of step {event.step!r} retried")
             case RetryBroughtForward():
                 return cls("accepted", f"step {event.step!r} tries now")
+            case TaskReleased():
+                return cls("accepted", f"released from quarantine ({event.status})")
             case CompensationStarted():
                 plan = ", ".join(event.steps) if event.steps else "nothing to undo"
                 return cls("accepted", f"compensating ({event.trigger}): {plan}")

@@ -42,12 +42,14 @@ from agents.policy import AgentPolicy, DependencyPolicy, PolicyProvider, StaticP
 from agents.retry import RetryPolicy
 from eventstore.errors import PoisonMessageError
 from eventstore.keyed import KeyedConsumerRuntime
+from eventstore.keys import DataKeys
 from eventstore.producer import EventProducer
 from eventstore.runtime import Record
 from eventstore.settings import ConsumerSettings, KafkaSettings
 from eventstore.topics import TopicLayout
 from schemas.avro import utc_millis
 from schemas.messages import AgentRequest, AttemptAccepted, StepResult
+from schemas.sealed import EncryptionSettings, Keyring, SealingError, TaskKey, open_step_input
 
 __all__ = [
     "Agent",
@@ -244,7 +246,7 @@ class Agent:
             if self._sleep(delay):
                 raise AttemptAbandoned(f"draining during a back-off; last error: {last}") from fault
 
-    def handle(self, record: Record, output: EventProducer, inbox: str) -> None:
+    def handle(self, record: Record, output: EventProducer, inbox: str, inputs: SealedInputs | None = None) -> None:
         """Take one request: acknowledge it (its work deadline starts now), then run it and answer.
 
         The acknowledgement and the answer go to the same inbox partition (same key) from the same
@@ -252,6 +254,9 @@ class Agent:
         is answered at once without a call: the scheduler may already have given up on it, and an attempt
         that never called leaves nothing to undo. A redelivered request (after a crash) is acknowledged
         again; the scheduler ignores the second one.
+
+        ``inputs`` opens the request's sealed fields just before the call (the request stays sealed while it
+        waits); a value that does not open (the task's data was erased) is a permanent failure with no call.
         """
         request = record.message
         if not isinstance(request, AgentRequest):
@@ -267,6 +272,16 @@ class Agent:
             output.send(inbox, AttemptAccepted(task_id=request.task_id, step=request.step,
                                                attempt_id=request.attempt_id, compensation=request.compensation,
                                                accepted_at=accepted_at))
+        if inputs is not None:
+            try:
+                request = inputs.open(request)
+            except SealingError as exc:
+                log.error("sealed input does not open", error=str(exc), agent=self.name, task_id=request.task_id,
+                          step=request.step, attempt=request.attempt)
+                output.send(inbox, StepResult(task_id=request.task_id, step=request.step,
+                                              attempt_id=request.attempt_id, ok=False, error=str(exc),
+                                              permanent=True, calls=0))
+                return
         output.send(inbox, self.execute(request, accepted_at))
 
     def _wait_until(self, request: AgentRequest) -> None:
@@ -294,19 +309,46 @@ class Agent:
                           error=error, permanent=False, calls=0)
 
 
-def build_agent(kafka: KafkaSettings, consumer: ConsumerSettings, agent: Agent, concurrency: int = 1
-                ) -> KeyedConsumerRuntime:
+class SealedInputs:
+    """Opens the sealed values of a request's input with its task's data key, read from the ``keys`` topic
+    and unwrapped with the master keys: the agent's service gets the clear values it works with, and
+    nothing the agent answers or logs is made of them."""
+
+    def __init__(self, keys: DataKeys, keyring: Keyring | None) -> None:
+        self.keys = keys
+        self.keyring = keyring
+
+    def open(self, request: AgentRequest) -> AgentRequest:
+        """``request`` with its input open; SealingError if a sealed value does not open."""
+        opened = open_step_input(request.input, request.task_id, lambda: self._key(request.task_id))
+        return request.model_copy(update={"input": opened})
+
+    def _key(self, task_id: str) -> TaskKey | None:
+        wrapped = self.keys.wrapped(task_id)
+        if wrapped is None:
+            return None
+        if self.keyring is None:
+            raise SealingError(f"task {task_id}: its input is sealed and this agent has no encryption key "
+                               "(STEPSTREAM_ENCRYPTION_KEYS)")
+        return self.keyring.unwrap(wrapped, task_id)
+
+
+def build_agent(kafka: KafkaSettings, consumer: ConsumerSettings, agent: Agent, concurrency: int = 1,
+                keyring: Keyring | None = None) -> KeyedConsumerRuntime:
     """The agent on the keyed runtime: up to ``concurrency`` attempts in flight, one at a time per task.
 
     The breaker, retry budget and policy are the agent's, so every concurrent attempt shares them.
+    ``keyring`` (default: ``STEPSTREAM_ENCRYPTION_KEYS``) opens the sealed fields of its requests.
     """
     layout = TopicLayout.from_settings(kafka)
+    inputs = SealedInputs(DataKeys(kafka.resolved_bootstrap(), layout.keys),
+                          keyring or EncryptionSettings().keyring())
     return KeyedConsumerRuntime(
         concurrency=concurrency,
         bootstrap=kafka.resolved_bootstrap(),
         group_id=layout.agent_group(agent.name),
         topics=[layout.agent(agent.name)],
-        handler=lambda record, output: agent.handle(record, output, layout.inbox),
+        handler=lambda record, output: agent.handle(record, output, layout.inbox, inputs),
         dlq_topic=layout.dlq,
         settings=consumer,
         stop_event=agent.stopping,

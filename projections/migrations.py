@@ -144,6 +144,12 @@ MIGRATIONS: tuple[tuple[int, Script], ...] = (
         create index steps_leased on steps (complete_by, task_id, step)
             where status in ('queued', 'processing', 'compensation_queued', 'compensating');
     """),
+    (5, """
+        -- crypto-shredding: when the task's data key was deleted and by whom (an operator, or retention);
+        -- its sealed values stay in task_history as they are, and open nowhere
+        alter table tasks add column erased_at integer;
+        alter table tasks add column erased_by text;
+    """),
 )
 
 

@@ -8,7 +8,8 @@ is in progress, forward or compensating, so the supervisor's one scan finds both
 attempt number, failures, calls and error have columns of their own. An attempt is ``queued`` (or
 ``compensation_queued``) until its agent takes it, with ``complete_by`` holding its start-by meanwhile; then
 ``processing`` (or ``compensating``) with the work deadline, and ``waited_ms`` says how long it waited. Bodies in
-``task_history`` are the events as the log holds them: sealed fields stay sealed.
+``task_history`` are the events as the log holds them: sealed fields stay sealed. An erased task's row says
+when and by whom (``erased_at``, ``erased_by``): its sealed values no longer open anywhere.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from schemas.messages import (
     TaskCompensated,
     TaskCompensationFailed,
     TaskCompleted,
+    TaskDataErased,
     TaskFailed,
     TaskRejected,
 )
@@ -177,6 +179,9 @@ def project(db: Executor, event: Event) -> None:
         case TaskCompensationFailed():
             db.execute("update tasks set status = 'compensation_failed', current_step = null, error = ? "
                        "where task_id = ?", (_headline(event.step, event.reason), event.task_id))
+        case TaskDataErased():
+            db.execute("update tasks set erased_at = ?, erased_by = ? where task_id = ?",
+                       (at, event.operator or "an operator", event.task_id))
         case MessageIgnored() | OperatorCommandRefused():
             pass
     db.execute(task_update, (event.sequence, at, event.task_id))

@@ -34,7 +34,7 @@ T = TypeVar("T")
 # Tables that are not part of the projection: never compared, never swapped.
 BOOKKEEPING = frozenset({"schema_migrations", "sqlite_sequence", "sqlite_stat1", "sqlite_stat4"})
 TASK_COLUMNS = ("task_id, workflow, workflow_version, status, sequence, current_step, failure_count, error, "
-                "created_at, updated_at")
+                "created_at, updated_at, erased_at, erased_by")
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,14 @@ acknowledges on ``inbox`` (``AttemptAccepted``) and the decider records ``StepAc
 work deadline (see ``scheduler.workflow.Step``).
 
 Compensation attempts are agent requests like forward ones, to the compensation's agent, with the step's
-compensation idempotency key. Sensitive output fields are sealed on their way to ``events`` and opened
-when a partition is restored (``scheduler.sealing``); the agents get clear values, as their services need.
+compensation idempotency key.
+
+Sensitive data (``scheduler.sealing``): every task of a workflow that marks fields gets a data key, taken
+from its submission (which sealed the marked input fields with it) or made here, and written wrapped to the
+compacted ``keys`` topic in the transaction that accepts the task. Inputs stay sealed through the decider
+and into agent requests; output fields are sealed on their way to ``events`` and to later steps' agents,
+and opened when a partition is restored. Erasing a task writes the tombstone of its key: from then on
+nothing opens its values, and a restore leaves them sealed.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from prometheus_client import Gauge
 
 from eventstore.errors import PoisonMessageError
 from eventstore.kafka_config import connection_config
+from eventstore.keys import read_keys
 from eventstore.producer import EventProducer
 from eventstore.replay import ReplayReader
 from eventstore.runtime import ConsumerRuntime, Record
@@ -41,8 +48,8 @@ from scheduler.decider import (
     evolve,
     idempotency_key,
 )
-from scheduler.sealing import EventSealer
-from scheduler.workflow import WorkflowRegistry
+from scheduler.sealing import EventSealer, open_input, seal_input
+from scheduler.workflow import WorkflowNotFoundError, WorkflowRegistry
 from schemas.messages import (
     AgentRequest,
     AttemptAccepted,
@@ -63,10 +70,11 @@ from schemas.messages import (
     TaskCompensated,
     TaskCompensationFailed,
     TaskCompleted,
+    TaskDataErased,
     TaskFailed,
     TaskRejected,
 )
-from schemas.sealed import Keyring
+from schemas.sealed import Keyring, SealingError, TaskKey
 
 log = structlog.get_logger("stepstream.scheduler")
 
@@ -98,6 +106,7 @@ class Scheduler:
         # Checked before anything runs: sensitive workflows without a key never start.
         self.sealer = EventSealer(registry, keyring)
         self._tasks: dict[int, dict[str, TaskState]] = {}
+        self._keys: dict[int, dict[str, TaskKey]] = {}  # the data keys of the owned tasks that have one
         self._admin = AdminClient(connection_config(bootstrap))
         self._known_topics: set[str] = set()
         # Non-terminal tasks per partition, kept up to date as states change: admission control asks for
@@ -111,14 +120,20 @@ class Scheduler:
         if not isinstance(command, (SubmitTask, StepResult, RecoverStep, OperatorCommand, AttemptAccepted)):
             raise PoisonMessageError(f"{type(command).__name__} is not a command the scheduler takes")
         tasks = self._tasks.setdefault(record.partition, {})
+        keys = self._keys.setdefault(record.partition, {})
         state = tasks.get(command.task_id)
         was_live = state is not None and not state.is_terminal
+        new_key: TaskKey | None = None
+        if isinstance(command, SubmitTask):
+            command, new_key = self._under_task_key(command, state, keys.get(command.task_id))
         decision = decide(command, state, registry=self.registry, now=datetime.now(UTC),
                           in_flight=self.in_flight(record.partition), limits=self.limits)
         for event in decision.events:
             state = evolve(state, event)
-            output.send(self.layout.events, self.sealer.seal(event), partition=record.partition)
-            self._effects(event, state, command, output)
+            self._keep_key(event, new_key, keys, output, record.partition)
+            output.send(self.layout.events, self.sealer.seal(event, keys.get(event.task_id)),
+                        partition=record.partition)
+            self._effects(event, state, command, output, keys.get(event.task_id))
         if state is not None:
             tasks[command.task_id] = state
             live = self._live.get(record.partition, 0) + (not state.is_terminal) - was_live
@@ -131,9 +146,52 @@ class Scheduler:
     def in_flight(self, partition: int) -> int:
         return self._live.get(partition, 0)
 
-    def _effects(self, event: Event, state: TaskState, command: Message, output: EventProducer) -> None:
+    def _under_task_key(self, command: SubmitTask, state: TaskState | None, known: TaskKey | None
+                        ) -> tuple[SubmitTask, TaskKey | None]:
+        """A submission with its marked input sealed under the task's data key, and the key a new task gets.
+
+        The key is the known task's (a repeat then seals to the very bytes it was accepted with, so the
+        decider tells a repeat from a contradiction by digest as for any task), else the submission's own,
+        else a new one: a submitter that sent a marked field in clear (an older client) does not get it
+        written in clear to ``events``. Nothing here opens what it does not reseal.
+        """
+        try:
+            workflow = self.registry.get(command.workflow, command.workflow_version if state is None
+                                         else state.workflow_version)
+        except WorkflowNotFoundError:
+            return command, None  # the decider dead-letters it
+        if not workflow.has_sensitive_data:
+            return command, None
+        if command.data_key is not None and self.sealer.keyring is not None:
+            try:
+                own: TaskKey | None = self.sealer.keyring.unwrap(command.data_key, command.task_id)
+            except SealingError as exc:
+                raise PoisonMessageError(f"submission of task {command.task_id}: {exc}") from None
+        else:
+            own = None
+        key = known or own or TaskKey.generate()
+        data = command.input
+        if own is not None and own != key:
+            data = open_input(workflow, command.task_id, data, own)
+        sealed = command.model_copy(update={"input": seal_input(workflow, command.task_id, data, key),
+                                            "data_key": None})
+        return sealed, None if known is not None else key
+
+    def _keep_key(self, event: Event, new_key: TaskKey | None, keys: dict[str, TaskKey], output: EventProducer,
+                  partition: int) -> None:
+        """Write a newly accepted task's data key to ``keys`` (wrapped), or an erased one's tombstone."""
+        if isinstance(event, TaskAccepted) and new_key is not None and self.sealer.keyring is not None:
+            keys[event.task_id] = new_key
+            wrapped = self.sealer.keyring.wrap(new_key, event.task_id)
+            output.send_raw(self.layout.keys, event.task_id, wrapped.encode(), partition=partition)
+        elif isinstance(event, TaskDataErased):
+            keys.pop(event.task_id, None)
+            output.send_raw(self.layout.keys, event.task_id, None, partition=partition)
+
+    def _effects(self, event: Event, state: TaskState, command: Message, output: EventProducer,
+                 key: TaskKey | None) -> None:
         if isinstance(event, StepStarted | StepCompensationStarted):
-            self._request(event, state, output)
+            self._request(event, state, output, key)
             return
         status = _STATUS_OF.get(type(event))
         reply_topic = self._reply_topic(state, command)
@@ -143,9 +201,11 @@ class Scheduler:
         output.send(reply_topic, StatusUpdate(task_id=state.task_id, status=status,  # type: ignore[arg-type]
                                               detail=detail))
 
-    def _request(self, event: StepStarted | StepCompensationStarted, state: TaskState, output: EventProducer) -> None:
+    def _request(self, event: StepStarted | StepCompensationStarted, state: TaskState, output: EventProducer,
+                 data_key: TaskKey | None) -> None:
         """The agent request an attempt's start calls for: the step's own agent, or its compensation's."""
-        step = self.registry.get(state.workflow, state.workflow_version).step(event.step)
+        workflow = self.registry.get(state.workflow, state.workflow_version)
+        step = workflow.step(event.step)
         forward_key = idempotency_key(state.task_id, step.name)
         undoes_key: str | None = None
         undoes_attempt: int | None = None
@@ -162,6 +222,8 @@ class Scheduler:
             # fence gets no such claim: its undo waits out the forward attempts instead (``not_before``).
             if step.compensation.fenced:
                 undoes_key, undoes_attempt = forward_key, state.steps[event.step_index].attempt
+        # Outputs of earlier steps are clear in memory: sealed again for the agent, which opens what it needs.
+        data = {**data, "steps": self.sealer.seal_outputs(workflow, state.task_id, data["steps"], data_key)}
         self._ensure_topic(TopicSpec(self.layout.agent(agent), self.layout.partitions))
         output.send(self.layout.agent(agent), AgentRequest(
             task_id=state.task_id, step=event.step, attempt=event.attempt, attempt_id=event.attempt_id,
@@ -199,26 +261,41 @@ class Scheduler:
         """Fold ``events`` of each newly owned partition before any of its commands is handled."""
         for tp in partitions:
             tasks: dict[str, TaskState] = {}
+            keys = self._restore_keys(tp.partition)
             reader = ReplayReader(self.bootstrap, self.layout.events, partitions=[tp.partition])
             for record in reader:
                 if isinstance(record.message, Event):
-                    event = self.sealer.unseal(record.message)
+                    event = self.sealer.unseal(record.message, keys.get(record.message.task_id))
                     tasks[event.task_id] = evolve(tasks.get(event.task_id), event)
             self._tasks[tp.partition] = tasks
+            self._keys[tp.partition] = keys
             self._live[tp.partition] = sum(1 for state in tasks.values() if not state.is_terminal)
             IN_FLIGHT.labels(str(tp.partition)).set(self.in_flight(tp.partition))
             log.info("partition restored", partition=tp.partition, tasks=len(tasks),
                      in_flight=self.in_flight(tp.partition), events=reader.stats.records)
 
+    def _restore_keys(self, partition: int) -> dict[str, TaskKey]:
+        """The data keys of a partition's tasks, unwrapped: an erased task has none (its values stay sealed)."""
+        self._ensure_topic(self.layout.keys_spec())
+        wrapped = {task: value for task, value in read_keys(self.bootstrap, self.layout.keys, {}, [partition]).items()
+                   if value is not None}
+        if wrapped and self.sealer.keyring is None:
+            raise SealingError(f"{self.layout.keys} holds data keys but no encryption key is configured "
+                               "(STEPSTREAM_ENCRYPTION_KEYS)")
+        keyring = self.sealer.keyring
+        return {task: keyring.unwrap(value, task) for task, value in wrapped.items()} if keyring else {}
+
     def forget(self, partitions: list[TopicPartition]) -> None:
         for tp in partitions:
             self._tasks.pop(tp.partition, None)
+            self._keys.pop(tp.partition, None)
             self._live.pop(tp.partition, None)
 
     def restore_all(self) -> None:
         """After an aborted transaction the in-memory state ran ahead of the log: rebuild it."""
         owned = [TopicPartition(self.layout.inbox, p) for p in list(self._tasks)]
         self._tasks.clear()
+        self._keys.clear()
         self._live.clear()
         self.restore(owned)
 

@@ -119,7 +119,10 @@ class Workflow:
     """``failure_threshold``: failed attempts of one step (timeouts included) before escalation.
     ``input_model``: the pydantic model a task's input must satisfy, checked on every way in (client, CLI,
     HTTP, outbox) before anything is produced, so a missing or mistyped field is refused naming it instead
-    of running the task with it; None accepts any JSON object."""
+    of running the task with it; None accepts any JSON object.
+    ``sensitive_input``: the top-level input fields that are sealed from submission on (a card token, a
+    national id): the client, CLI, HTTP API and outbox seal them before anything reaches Kafka, and only the
+    agents open them (``scheduler.sealing``). Like ``sensitive_output``, fixed once a version ran."""
 
     name: str
     version: int
@@ -127,6 +130,7 @@ class Workflow:
     failure_threshold: int = 3
     escalation: Escalation = "error"
     input_model: type[BaseModel] | None = None
+    sensitive_input: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if self.version < 1:
@@ -138,6 +142,8 @@ class Workflow:
             raise ValueError(f"workflow {self.name}: step names must be unique")
         if self.failure_threshold < 1:
             raise ValueError(f"workflow {self.name}: failure_threshold must be at least 1")
+        if not all(isinstance(n, str) and n for n in self.sensitive_input):
+            raise ValueError(f"workflow {self.name}: sensitive_input names fields, each a non-empty string")
 
     def input_errors(self, data: Mapping[str, Any]) -> list[tuple[str, str]]:
         """(field path, message) of each way ``data`` fails the input model; empty when it satisfies it."""
@@ -166,7 +172,7 @@ class Workflow:
 
     @property
     def has_sensitive_data(self) -> bool:
-        return any(step.is_sensitive for step in self.steps)
+        return bool(self.sensitive_input) or any(step.is_sensitive for step in self.steps)
 
     @property
     def agents(self) -> frozenset[str]:

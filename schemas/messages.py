@@ -292,6 +292,17 @@ class OperatorCommandRefused(Event):
     operator: str | None = None
 
 
+class TaskDataErased(Event):
+    """The task's data key was deleted (crypto-shredding): its sealed values open nowhere from now on.
+
+    ``operator`` is who ordered it: an operator's name, or ``retention`` when its workflow's retention for
+    sensitive data ran out.
+    """
+
+    command_id: str
+    operator: str | None = None
+
+
 # ---- commands on the inbox ----------------------------------------------------------------------
 
 
@@ -305,6 +316,8 @@ class SubmitTask(Message):
     input: JsonObject
     submitter: str | None = None
     reply_topic: str | None = None
+    data_key: str | None = Field(default=None, description="the task's data key, wrapped by a master key "
+                                 "(kid:base64): what the input's sealed fields were sealed with")
 
 
 class StepResult(Message):
@@ -346,14 +359,15 @@ class RecoverStep(Message):
     reason: str
 
 
-OperatorAction = Literal["resubmit", "compensate", "cancel", "retry-compensation"]
+OperatorAction = Literal["resubmit", "compensate", "cancel", "retry-compensation", "erase"]
 
 
 class OperatorCommand(Message):
     """An operator's intervention on one task. The same ``command_id`` again changes nothing.
 
     ``step`` names the step for ``resubmit`` and ``retry-compensation`` (default: the one that failed);
-    ``compensate`` and ``cancel`` act on the whole task. The outcome is an event naming ``command_id``:
+    ``compensate``, ``cancel`` and ``erase`` (shred an ended task's data key) act on the whole task.
+    The outcome is an event naming ``command_id``:
     ``OperatorCommandRefused``, or the transition it caused.
     """
 
@@ -441,4 +455,5 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     LateResultRecorded,
     StepAccepted,
     AttemptAccepted,
+    TaskDataErased,
 )

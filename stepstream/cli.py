@@ -16,6 +16,7 @@ from eventstore.errors import KafkaUnreachable, StepstreamError
 from eventstore.kafka_config import kafka_reason
 from eventstore.settings import KafkaSettings
 from projections import commands as projection_commands
+from schemas.sealed import SealingError
 from stepstream import operator, outbox, submit_cli
 from stepstream.http import server
 
@@ -161,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KafkaUnreachable as exc:
         print(f"stepstream: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE
-    except StepstreamError as exc:
+    except (StepstreamError, SealingError) as exc:  # a missing or wrong encryption key too: one line, no key
         print(f"stepstream: {exc}", file=sys.stderr)
         return 1
     except KafkaException as exc:  # a broker lost mid-command: its reason, not a librdkafka traceback

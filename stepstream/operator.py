@@ -1,4 +1,4 @@
-"""``stepstream task resubmit|compensate|cancel|retry-compensation TASK_ID``: operators intervene on a task.
+"""``stepstream task resubmit|compensate|cancel|retry-compensation|erase TASK_ID``: operators intervene on a task.
 
 Each sub-command produces one ``OperatorCommand`` on ``inbox``, keyed by the task, under a command id the
 operator may choose (``--command-id``): the scheduler answers a command id once, so a command sent again
@@ -11,7 +11,9 @@ the reason. With ``--wait`` this command reads ``events`` until that outcome app
 - ``compensate``: undo the completed steps of a task in ``error``;
 - ``cancel``: stop a running task and undo what it completed (its attempt in flight is abandoned: a late
   answer changes nothing);
-- ``retry-compensation [--step S]``: retry the failed compensation of a task in ``compensation_failed``.
+- ``retry-compensation [--step S]``: retry the failed compensation of a task in ``compensation_failed``;
+- ``erase``: delete an ended task's data key (crypto-shredding): its sealed values open nowhere after, in
+  any topic or store; the task can then be neither resubmitted nor compensated.
 
 Exit codes: 0 sent (with ``--wait``: accepted), 3 no such task (nothing is sent), 6 refused, 124 ``--wait``
 timed out.
@@ -36,6 +38,7 @@ from schemas.messages import (
     OperatorAction,
     OperatorCommandRefused,
     StepResubmitted,
+    TaskDataErased,
     new_id,
 )
 from stepstream.client import Client
@@ -46,6 +49,7 @@ _ACTIONS: dict[OperatorAction, str] = {
     "compensate": "undo the completed steps of a task in error",
     "cancel": "stop a running task and undo what it completed",
     "retry-compensation": "retry the failed compensation of a task in compensation_failed",
+    "erase": "delete an ended task's data key: its sealed input and outputs open nowhere after",
 }
 _TAKES_STEP: frozenset[OperatorAction] = frozenset({"resubmit", "retry-compensation"})
 
@@ -69,6 +73,8 @@ class Outcome:
             case CompensationStarted():
                 plan = ", ".join(event.steps) if event.steps else "nothing to undo"
                 return cls("accepted", f"compensating ({event.trigger}): {plan}")
+            case TaskDataErased():
+                return cls("accepted", "task data erased: its data key is deleted")
         return cls("accepted", type(event).__name__)  # a transition added later: still an acceptance
 
 

@@ -1,4 +1,5 @@
-"""Operator commands: resubmit a failed step, retry a failed undo, compensate a task in error, cancel one.
+"""Operator commands: resubmit a failed step, retry a failed undo, compensate a task in error, cancel one,
+erase an ended task's data (its data key is deleted: see ``scheduler.sealing``).
 
 Each is checked against the task's state first; a refusal is recorded on the task where operators look,
 and a repeated command (same id) changes nothing.
@@ -10,9 +11,16 @@ from scheduler.decider.attempts import in_progress
 from scheduler.decider.compensation import begin_compensation, start_compensation_attempt
 from scheduler.decider.decision import Builder, Decision
 from scheduler.decider.forward import start_attempt
-from scheduler.decider.state import StepStatus, TaskState
+from scheduler.decider.state import ERASABLE, StepStatus, TaskState
 from scheduler.workflow import WorkflowNotFoundError, WorkflowRegistry
-from schemas.messages import CompensationRetried, OperatorCommand, OperatorCommandRefused, StepFailed, StepResubmitted
+from schemas.messages import (
+    CompensationRetried,
+    OperatorCommand,
+    OperatorCommandRefused,
+    StepFailed,
+    StepResubmitted,
+    TaskDataErased,
+)
 
 
 def on_operator(builder: Builder, command: OperatorCommand, registry: WorkflowRegistry) -> Decision:
@@ -44,6 +52,8 @@ def on_operator(builder: Builder, command: OperatorCommand, registry: WorkflowRe
         case "compensate":
             begin_compensation(builder, workflow, "operator",
                                 f"compensation ordered by {who} (command {command.command_id})", command=command)
+        case "erase":
+            builder.emit(TaskDataErased, command_id=command.command_id, operator=command.operator)
         case "cancel":
             if state.current_step is not None:
                 _abandon(builder, command)
@@ -77,6 +87,16 @@ def _check_operator(state: TaskState, command: OperatorCommand) -> tuple[str | N
     if state.current_step is not None:
         current = state.steps[state.current_step]
         doing = f" (step {current.name!r} is {current.status}, attempt {current.lock})"
+    if state.erased:
+        return (f"task data erased: its input and outputs open nowhere, so {action} cannot run or undo anything"
+                if action != "erase" else "task data already erased"), None
+    if action == "erase":
+        if command.step is not None:
+            return "erase acts on the whole task: it takes no step", None
+        if status not in ERASABLE:
+            return (f"task is {status}{doing}: only an ended task's data can be erased "
+                    "(cancel a running task first)"), None
+        return None, None
     if action in ("compensate", "cancel"):
         if command.step is not None:
             return f"{action} acts on the whole task: it takes no step", None

@@ -21,6 +21,9 @@ StepStatus = Literal[
 ]
 TERMINAL: frozenset[str] = frozenset({"completed", "error", "rejected", "compensated", "compensation_failed"})
 """Task statuses no agent result or recovery can leave: a terminal task only records ignored messages."""
+ERASABLE: frozenset[str] = frozenset({"completed", "error", "compensated", "compensation_failed"})
+"""Task statuses whose data may be erased: ended, with nothing in flight that needs it. A task in ``error`` or
+``compensation_failed`` may be erased too, and is then left as it is: nothing can run or undo it any more."""
 FINAL: frozenset[str] = frozenset({"completed", "compensated"})
 """Terminal statuses nothing can leave. ``error`` and ``compensation_failed`` wait for an operator;
 ``rejected`` is left by a repeat of the same submission once admission control has room (a client told
@@ -131,6 +134,7 @@ class TaskState:
 
     A rejected task keeps the digest and addressee of its submission but not its input (``{}``): that is
     enough to tell a repeat from a contradiction, without storing payloads that were never admitted.
+    ``erased``: the task's data key was deleted; its sealed values stay in the state as they are, opaque.
     ``current_step`` is the step with an attempt in progress, forward or compensating. ``commands`` are
     the operator command ids already answered, so a repeated command changes nothing.
     """
@@ -147,6 +151,7 @@ class TaskState:
     steps: tuple[StepState, ...]
     current_step: int | None
     commands: frozenset[str] = frozenset()
+    erased: bool = False
 
     @property
     def is_terminal(self) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import replace
 
-from scheduler.decider.state import Lease, StepState, StepStatus, TaskState, TaskStatus
+from scheduler.decider.state import ERASABLE, Lease, StepState, StepStatus, TaskState, TaskStatus
 from schemas.messages import (
     CompensationRetried,
     CompensationStarted,
@@ -31,6 +31,7 @@ from schemas.messages import (
     TaskCompensated,
     TaskCompensationFailed,
     TaskCompleted,
+    TaskDataErased,
     TaskFailed,
     TaskRejected,
 )
@@ -63,6 +64,7 @@ _ALLOWED_FROM: dict[type[Event], frozenset[str]] = {
     TaskCompensationFailed: frozenset({"compensating"}),
     StepResubmitted: frozenset({"error"}),
     CompensationRetried: frozenset({"compensation_failed"}),
+    TaskDataErased: ERASABLE,
 }
 """The task statuses each transition may follow; operator transitions are the only way out of a terminal one."""
 
@@ -158,6 +160,10 @@ def evolve(state: TaskState | None, event: Event) -> TaskState:
             step = state.steps[index]
             fresh = replace(step, compensation=replace(step.compensation, failure_count=0, calls_used=0))
             return replace(_with_step(state, event, index, fresh), status="compensating")
+        case TaskDataErased():
+            if state.erased:
+                raise InvalidTransition(f"task {state.task_id!r} was already erased")
+            return replace(state, erased=True, sequence=event.sequence)
     raise InvalidTransition(f"{type(event).__name__} is not an event of the task state machine")
 
 

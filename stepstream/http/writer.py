@@ -39,7 +39,14 @@ from schemas.messages import (
     TaskRejected,
     new_id,
 )
-from stepstream.client import InvalidSubmission, build_submission, check_submission, same_submission
+from schemas.sealed import Keyring
+from stepstream.client import (
+    InvalidSubmission,
+    SubmissionKeys,
+    build_submission,
+    check_submission,
+    same_submission,
+)
 from stepstream.http.admission import GlobalAdmission
 from stepstream.http.bodies import CommandRequest, SubmissionRequest
 from stepstream.http.decisions import DecisionWatcher
@@ -77,8 +84,10 @@ class TaskWriter:
     """Produces submissions and operator commands and waits for the scheduler's answer to each."""
 
     def __init__(self, *, bootstrap: str, layout: TopicLayout, store: Store, registry: WorkflowRegistry,
-                 admission: GlobalAdmission, settings: ApiSettings) -> None:
+                 admission: GlobalAdmission, settings: ApiSettings, keyring: Keyring | None = None) -> None:
         self.layout = layout
+        # Marked input fields are sealed here, before the submission is produced (refused without a key).
+        self.sealing = SubmissionKeys(registry, keyring, bootstrap=bootstrap, layout=layout)
         self.store = store
         self.registry = registry
         self.admission = admission
@@ -120,6 +129,7 @@ class TaskWriter:
                                        reply_topic=self.layout.status(holder))
         except InvalidSubmission as exc:
             raise _invalid(exc.field, exc.reason, None) from None
+        command = self.sealing.seal(command, self.store.task(command.task_id) is not None)
         known = self._known_task(command, request.version)
         if known is not None:
             return known

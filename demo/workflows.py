@@ -1,7 +1,9 @@
 """The demo's workflow: an order reserved, charged and shipped.
 
-Version 1 leaves a task that cannot finish in ``error`` for an operator; version 2 (the latest) undoes
-what completed (release the reservation, refund the charge) in reverse order.
+Version 1 leaves a task that cannot finish in ``error`` for an operator; version 2 undoes what completed
+(release the reservation, refund the charge) in reverse order; version 3 (the latest) is version 2 paid
+with a card: its input carries a ``card_token``, marked sensitive, which the order service takes at
+``charge``. Sealed from submission on, it is in clear only in the payments agent's call and the service.
 """
 
 from __future__ import annotations
@@ -23,6 +25,12 @@ class OrderInput(BaseModel):
     amount: float = Field(ge=0)
 
 
+class PaidOrderInput(OrderInput):
+    """An order paid with a card: the token the payment service charges (sensitive: sealed end to end)."""
+
+    card_token: str = Field(min_length=1)
+
+
 def _order_steps(*, compensated: bool) -> tuple[Step, ...]:
     def undo(agent: str) -> Compensation | None:
         return Compensation(agent, timeout_s=5.0, attempt_budget=6, calls_per_attempt=3) if compensated else None
@@ -42,4 +50,7 @@ ORDERS_V1 = Workflow(name="orders", version=1, steps=_order_steps(compensated=Fa
 ORDERS_V2 = Workflow(name="orders", version=2, steps=_order_steps(compensated=True), failure_threshold=3,
                      escalation="compensate", input_model=OrderInput)
 
-REGISTRY = WorkflowRegistry.of([ORDERS_V1, ORDERS_V2])
+ORDERS_V3 = Workflow(name="orders", version=3, steps=_order_steps(compensated=True), failure_threshold=3,
+                     escalation="compensate", input_model=PaidOrderInput, sensitive_input=frozenset({"card_token"}))
+
+REGISTRY = WorkflowRegistry.of([ORDERS_V1, ORDERS_V2, ORDERS_V3])

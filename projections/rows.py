@@ -9,7 +9,8 @@ attempt number, failures, calls and error have columns of their own. An attempt 
 ``compensation_queued``) until its agent takes it, with ``complete_by`` holding its start-by meanwhile; then
 ``processing`` (or ``compensating``) with the work deadline, and ``waited_ms`` says how long it waited. Bodies in
 ``task_history`` are the events as the log holds them: sealed fields stay sealed. An erased task's row says
-when and by whom (``erased_at``, ``erased_by``): its sealed values no longer open anywhere.
+when and by whom (``erased_at``, ``erased_by``): its sealed values no longer open anywhere. A task of a
+workflow with a retention for sensitive data gets ``erase_due_at`` when it completes or is compensated.
 """
 
 from __future__ import annotations
@@ -88,6 +89,9 @@ def project(db: Executor, event: Event) -> None:
                 (event.task_id, event.workflow, event.workflow_version, status, event.sequence, at, at, error,
                  event.task_id, event.sequence, at),
             )
+            if isinstance(event, TaskAccepted) and event.retention_s is not None:
+                db.execute("update tasks set retention_ms = ? where task_id = ?",
+                           (round(event.retention_s * 1000), event.task_id))
             return
         case StepStarted():
             status, deadline, start_by = _handed_over(event, "queued", "processing")
@@ -125,8 +129,8 @@ def project(db: Executor, event: Event) -> None:
             )
             db.execute("update tasks set failure_count = failure_count + 1 where task_id = ?", (event.task_id,))
         case TaskCompleted():
-            db.execute("update tasks set status = 'completed', current_step = null where task_id = ?",
-                       (event.task_id,))
+            db.execute("update tasks set status = 'completed', current_step = null, erase_due_at = ? + retention_ms "
+                       "where task_id = ?", (at, event.task_id))
         case TaskFailed():
             db.execute("update tasks set status = 'error', error = ? where task_id = ?",
                        (_headline(event.step, event.reason), event.task_id))
@@ -174,8 +178,8 @@ def project(db: Executor, event: Event) -> None:
             db.execute("update tasks set status = 'compensating', error = ? where task_id = ?",
                        (_compensation_cause(db, event.task_id), event.task_id))
         case TaskCompensated():
-            db.execute("update tasks set status = 'compensated', current_step = null where task_id = ?",
-                       (event.task_id,))
+            db.execute("update tasks set status = 'compensated', current_step = null, "
+                       "erase_due_at = ? + retention_ms where task_id = ?", (at, event.task_id))
         case TaskCompensationFailed():
             db.execute("update tasks set status = 'compensation_failed', current_step = null, error = ? "
                        "where task_id = ?", (_headline(event.step, event.reason), event.task_id))

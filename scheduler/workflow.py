@@ -122,7 +122,10 @@ class Workflow:
     of running the task with it; None accepts any JSON object.
     ``sensitive_input``: the top-level input fields that are sealed from submission on (a card token, a
     national id): the client, CLI, HTTP API and outbox seal them before anything reaches Kafka, and only the
-    agents open them (``scheduler.sealing``). Like ``sensitive_output``, fixed once a version ran."""
+    agents open them (``scheduler.sealing``). Like ``sensitive_output``, fixed once a version ran.
+    ``sensitive_retention_s``: how long the sensitive data of a task that completed or was compensated is
+    kept; then the supervisor erases it (its data key is deleted). None keeps it until an operator erases it.
+    A task in ``error`` or ``compensation_failed`` waits for an operator, who needs its data: not counted."""
 
     name: str
     version: int
@@ -131,6 +134,7 @@ class Workflow:
     escalation: Escalation = "error"
     input_model: type[BaseModel] | None = None
     sensitive_input: frozenset[str] = frozenset()
+    sensitive_retention_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.version < 1:
@@ -144,6 +148,9 @@ class Workflow:
             raise ValueError(f"workflow {self.name}: failure_threshold must be at least 1")
         if not all(isinstance(n, str) and n for n in self.sensitive_input):
             raise ValueError(f"workflow {self.name}: sensitive_input names fields, each a non-empty string")
+        if self.sensitive_retention_s is not None and (self.sensitive_retention_s <= 0 or not self.has_sensitive_data):
+            raise ValueError(f"workflow {self.name}: sensitive_retention_s must be positive, on a workflow that "
+                             "marks sensitive data")
 
     def input_errors(self, data: Mapping[str, Any]) -> list[tuple[str, str]]:
         """(field path, message) of each way ``data`` fails the input model; empty when it satisfies it."""

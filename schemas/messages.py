@@ -58,6 +58,8 @@ class TaskAccepted(Event):
     input_digest: str
     submitter: str | None = None
     reply_topic: str | None = None
+    retention_s: float | None = Field(default=None, description="its workflow version's sensitive_retention_s: "
+                                      "its data is erased that long after it completed or was compensated")
 
 
 class TaskRejected(Event):

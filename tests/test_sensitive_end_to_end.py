@@ -200,6 +200,25 @@ def test_an_erased_task_opens_nowhere_shows_erased_after_a_rebuild_and_cannot_be
     assert is_sealed(charge.output["charge_id"])
 
 
+def test_a_finished_tasks_card_data_is_erased_when_its_workflows_retention_runs_out(card_system: System) -> None:
+    system = card_system
+    start(system)
+    with client(system) as python:
+        python.submit("orders-card-brief", order("brief"), task_id="brief")
+        python.submit("orders-card", order("kept"), task_id="kept")
+        assert python.wait("brief")["status"] == python.wait("kept")["status"] == "completed"
+    shown = system.task("brief") or {}
+    assert shown["erase_due_at"] is not None and shown["retention_ms"] == 2000, "when it will be erased is visible"
+    assert (system.task("kept") or {})["erase_due_at"] is None, "a workflow without retention keeps it"
+
+    assert wait_for(lambda: (system.task("brief") or {}).get("erased_at") is not None, timeout_s=30)
+    erased = system.task("brief") or {}
+    assert erased["erased_by"] == "retention" and erased["erased_at"] >= erased["erase_due_at"]
+    assert [e.operator for e in system.events("brief") if isinstance(e, TaskDataErased)] == ["retention"]
+    keys = read_keys(system.bootstrap, system.layout.keys, {})
+    assert keys["brief"] is None and keys["kept"] is not None
+
+
 def test_a_new_master_key_seals_new_tasks_and_old_tasks_still_open_with_the_old_one(card_system: System) -> None:
     system = card_system
     start(system)

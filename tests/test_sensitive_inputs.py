@@ -5,15 +5,17 @@ End to end (every way in, raw topics, store, DLQ, logs, erasure): tests/test_sen
 from __future__ import annotations
 
 import base64
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
-from scheduler.decider import TaskState
+from scheduler.decider import Limits, TaskState, decide
 from scheduler.sealing import EventSealer, SubmissionSealer, open_input, seal_input
 from scheduler.workflow import Step, Workflow, WorkflowRegistry
-from schemas.messages import OperatorCommandRefused, StepSucceeded, SubmitTask, TaskDataErased
+from schemas.messages import OperatorCommandRefused, StepSucceeded, SubmitTask, TaskAccepted, TaskDataErased
 from schemas.sealed import SEALED, Keyring, SealingError, TaskKey, is_sealed, open_step_input
+from tests.test_decider import NOW
 from tests.test_decider_compensation import apply, command, compensating, in_error, only, run, undo_all
 
 KEYRING = Keyring.parse(f"k2:{base64.b64encode(bytes(range(32))).decode()},"
@@ -83,6 +85,19 @@ def test_submitting_to_a_workflow_with_marked_inputs_without_a_key_is_refused_be
 def test_a_workflow_marking_an_input_field_names_it() -> None:
     with pytest.raises(ValueError, match="sensitive_input"):
         Workflow("w", 1, (Step("s", "a"),), sensitive_input=frozenset({""}))
+
+
+def test_a_retention_is_positive_and_only_for_a_workflow_that_marks_data() -> None:
+    with pytest.raises(ValueError, match="sensitive_retention_s must be positive"):
+        Workflow("w", 1, (Step("s", "a"),), sensitive_retention_s=60.0)
+    with pytest.raises(ValueError, match="sensitive_retention_s must be positive"):
+        Workflow("w", 1, (Step("s", "a"),), sensitive_input=frozenset({"x"}), sensitive_retention_s=0.0)
+
+
+def test_an_accepted_task_carries_its_workflow_versions_retention() -> None:
+    brief = WorkflowRegistry.of([replace(PAY, sensitive_retention_s=30.0)])
+    decision = decide(submission(), None, registry=brief, now=NOW, in_flight=0, limits=Limits())
+    assert only(decision, TaskAccepted)[0].retention_s == 30.0
 
 
 # ---- opening an agent request's input -------------------------------------------------------------

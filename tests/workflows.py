@@ -146,4 +146,6 @@ COMPENSATION_REGISTRY = WorkflowRegistry.of([ORDERS_V1, ORDERS_V2, ORDERS_COMP, 
 # values too). Run with an encryption key configured.
 ORDERS_CARD = Workflow(name="orders-card", version=1, steps=_compensated_order_steps(), failure_threshold=2,
                        escalation="compensate", input_model=PaidOrderInput, sensitive_input=frozenset({"card_token"}))
-SENSITIVE_REGISTRY = WorkflowRegistry.of([ORDERS_V1, ORDERS_CARD])
+# The same, keeping a finished task's card data for 2 s only: then the supervisor erases it.
+ORDERS_CARD_BRIEF = replace(ORDERS_CARD, name="orders-card-brief", sensitive_retention_s=2.0)
+SENSITIVE_REGISTRY = WorkflowRegistry.of([ORDERS_V1, ORDERS_CARD, ORDERS_CARD_BRIEF])

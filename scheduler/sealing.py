@@ -61,11 +61,14 @@ def open_input(workflow: Workflow, task_id: str, data: dict[str, Any], key: Task
 
 
 class SubmissionSealer:
-    """Seals the marked input fields of submissions before they are produced, with the task's data key."""
+    """Seals the marked input fields of submissions before they are produced, with the task's data key.
+
+    Without a keyring, a submission to a workflow that marks inputs is refused (SealingError) and one to
+    any other workflow passes: a submitter of unmarked workflows needs no key."""
 
     def __init__(self, registry: WorkflowRegistry, keyring: Keyring | None) -> None:
         self.registry = registry
-        self.keyring = require_keyring(registry, keyring)
+        self.keyring = keyring
 
     def needs_key(self, command: SubmitTask) -> bool:
         """Whether ``command`` has fields to seal (and so needs its task's data key)."""
@@ -77,9 +80,12 @@ class SubmissionSealer:
         carrying a data key is sealed already: it is returned as it is."""
         if not self.needs_key(command):
             return command
-        assert self.keyring is not None  # require_keyring refused a registry marking data without one
-        key = key or TaskKey.generate()
         workflow = self._workflow(command)
+        if self.keyring is None:
+            raise SealingError(f"workflow {workflow.name} v{workflow.version} marks input fields sensitive but no "
+                               "encryption key is configured (STEPSTREAM_ENCRYPTION_KEYS): refusing to send "
+                               "them in clear")
+        key = key or TaskKey.generate()
         return command.model_copy(update={"input": seal_input(workflow, command.task_id, command.input, key),
                                           "data_key": self.keyring.wrap(key, command.task_id)})
 

@@ -83,7 +83,7 @@ class SubmissionKeys:
 
     def __init__(self, registry: WorkflowRegistry, keyring: Keyring | None, *, bootstrap: str,
                  layout: TopicLayout) -> None:
-        self.sealer = SubmissionSealer(registry, keyring)  # refuses marked workflows without a key
+        self.sealer = SubmissionSealer(registry, keyring)
         self._keys = DataKeys(bootstrap, layout.keys)
 
     def seal(self, command: SubmitTask, known: bool) -> SubmitTask:
@@ -125,8 +125,9 @@ class Client:
 
     @functools.cached_property
     def sealing(self) -> SubmissionKeys:
-        """Made at the first submission: a client that only reads or sends operator commands needs no key,
-        one that submits to a marked workflow without a key raises SealingError before producing anything."""
+        """Made at the first submission: a client that only reads, sends operator commands or submits to
+        unmarked workflows needs no key; a submission to a marked one without a key raises SealingError
+        before anything is produced."""
         return SubmissionKeys(self.registry, self._keyring or EncryptionSettings().keyring(),
                               bootstrap=self.bootstrap, layout=self.layout)
 

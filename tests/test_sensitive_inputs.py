@@ -77,9 +77,12 @@ def test_a_repeat_sealed_under_the_tasks_own_key_is_the_same_submission_byte_for
     assert sealer.seal(submission(), key).input != sealer.seal(submission(card_token="tok_other"), key).input
 
 
-def test_submitting_to_a_workflow_with_marked_inputs_without_a_key_is_refused_before_anything_is_sealed() -> None:
-    with pytest.raises(SealingError, match="pay v1 mark sensitive data but no encryption key"):
-        SubmissionSealer(REGISTRY, None)
+def test_a_submission_to_a_workflow_marking_inputs_without_a_key_is_refused_and_others_pass() -> None:
+    with pytest.raises(SealingError, match="workflow pay v1 marks input fields sensitive but no encryption key"):
+        SubmissionSealer(REGISTRY, None).seal(submission())
+    plain = WorkflowRegistry.of([Workflow("plain", 1, (Step("s", "a"),))])
+    command = SubmitTask(task_id="t1", workflow="plain", input={"x": 1})
+    assert SubmissionSealer(plain, None).seal(command) is command
 
 
 def test_a_workflow_marking_an_input_field_names_it() -> None:

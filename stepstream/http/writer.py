@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse
 from eventstore.kafka_config import producer_config
 from eventstore.topics import TopicLayout
 from projections.store import Store
+from scheduler.sealing import require_keyring
 from scheduler.workflow import WorkflowRegistry
 from schemas.codec import default_codec
 from schemas.messages import (
@@ -86,8 +87,10 @@ class TaskWriter:
     def __init__(self, *, bootstrap: str, layout: TopicLayout, store: Store, registry: WorkflowRegistry,
                  admission: GlobalAdmission, settings: ApiSettings, keyring: Keyring | None = None) -> None:
         self.layout = layout
-        # Marked input fields are sealed here, before the submission is produced (refused without a key).
-        self.sealing = SubmissionKeys(registry, keyring, bootstrap=bootstrap, layout=layout)
+        # Marked input fields are sealed here, before the submission is produced: an API whose workflows mark
+        # any refuses to start without a key, rather than answer each such submission with an error.
+        self.sealing = SubmissionKeys(registry, require_keyring(registry, keyring), bootstrap=bootstrap,
+                                      layout=layout)
         self.store = store
         self.registry = registry
         self.admission = admission

@@ -15,7 +15,7 @@ MODULES = sorted(path.stem for path in (ROOT / "benchmarks").glob("*.py") if pat
 
 
 def test_every_benchmark_is_listed() -> None:
-    assert MODULES == ["agent_calls", "event_store", "replay", "submit", "workflow"]
+    assert MODULES == ["agent_calls", "event_store", "replay", "sealing", "submit", "workflow"]
 
 
 @pytest.mark.parametrize("module", MODULES)

@@ -18,7 +18,10 @@ from its submission (which sealed the marked input fields with it) or made here,
 compacted ``keys`` topic in the transaction that accepts the task. Inputs stay sealed through the decider
 and into agent requests; output fields are sealed on their way to ``events`` and to later steps' agents,
 and opened when a partition is restored. Erasing a task writes the tombstone of its key: from then on
-nothing opens its values, and a restore leaves them sealed.
+nothing opens its values, and a restore leaves them sealed. After a master key rotation (a new key first
+in ``STEPSTREAM_ENCRYPTION_KEYS``) each partition's data keys still wrapped by an older key are rewrapped by
+the current one, a few with every batch the partition handles, in its transaction: the scheduler owning a
+partition is the only writer of its keys, so a rewrap can never revive a key erased meanwhile.
 """
 
 from __future__ import annotations
@@ -78,6 +81,10 @@ from schemas.sealed import Keyring, SealingError, TaskKey
 
 log = structlog.get_logger("stepstream.scheduler")
 
+REWRAP_PER_COMMAND = 20
+"""Data keys rewrapped under the current master key with each command a partition handles: enough to
+rewrap a busy partition's keys in minutes, little enough not to be felt in a batch."""
+
 IN_FLIGHT = Gauge("stepstream_tasks_in_flight", "Non-terminal tasks owned by this scheduler", ["partition"])
 
 _STATUS_OF: dict[type[Event], str] = {
@@ -107,6 +114,7 @@ class Scheduler:
         self.sealer = EventSealer(registry, keyring)
         self._tasks: dict[int, dict[str, TaskState]] = {}
         self._keys: dict[int, dict[str, TaskKey]] = {}  # the data keys of the owned tasks that have one
+        self._stale: dict[int, list[str]] = {}  # per partition, tasks whose key an older master key wraps
         self._admin = AdminClient(connection_config(bootstrap))
         self._known_topics: set[str] = set()
         # Non-terminal tasks per partition, kept up to date as states change: admission control asks for
@@ -134,6 +142,7 @@ class Scheduler:
             output.send(self.layout.events, self.sealer.seal(event, keys.get(event.task_id)),
                         partition=record.partition)
             self._effects(event, state, command, output, keys.get(event.task_id))
+        self._rewrap(record.partition, output)
         if state is not None:
             tasks[command.task_id] = state
             live = self._live.get(record.partition, 0) + (not state.is_terminal) - was_live
@@ -176,6 +185,21 @@ class Scheduler:
         sealed = command.model_copy(update={"input": seal_input(workflow, command.task_id, data, key),
                                             "data_key": None})
         return sealed, None if known is not None else key
+
+    def _rewrap(self, partition: int, output: EventProducer) -> None:
+        """Rewrap a few of the partition's data keys that an older master key wraps (none once rotated)."""
+        stale = self._stale.get(partition)
+        keyring = self.sealer.keyring
+        if not stale or keyring is None:
+            return
+        keys = self._keys.get(partition, {})
+        for task_id in stale[-REWRAP_PER_COMMAND:]:
+            key = keys.get(task_id)
+            if key is not None:  # erased meanwhile: nothing to rewrap
+                output.send_raw(self.layout.keys, task_id, keyring.wrap(key, task_id).encode(), partition=partition)
+        del stale[-REWRAP_PER_COMMAND:]
+        if not stale:
+            log.info("data keys rewrapped under the current master key", partition=partition, key_id=keyring.current)
 
     def _keep_key(self, event: Event, new_key: TaskKey | None, keys: dict[str, TaskKey], output: EventProducer,
                   partition: int) -> None:
@@ -261,7 +285,7 @@ class Scheduler:
         """Fold ``events`` of each newly owned partition before any of its commands is handled."""
         for tp in partitions:
             tasks: dict[str, TaskState] = {}
-            keys = self._restore_keys(tp.partition)
+            keys, self._stale[tp.partition] = self._restore_keys(tp.partition)
             reader = ReplayReader(self.bootstrap, self.layout.events, partitions=[tp.partition])
             for record in reader:
                 if isinstance(record.message, Event):
@@ -274,8 +298,9 @@ class Scheduler:
             log.info("partition restored", partition=tp.partition, tasks=len(tasks),
                      in_flight=self.in_flight(tp.partition), events=reader.stats.records)
 
-    def _restore_keys(self, partition: int) -> dict[str, TaskKey]:
-        """The data keys of a partition's tasks, unwrapped: an erased task has none (its values stay sealed)."""
+    def _restore_keys(self, partition: int) -> tuple[dict[str, TaskKey], list[str]]:
+        """The data keys of a partition's tasks, unwrapped (an erased task has none: its values stay sealed),
+        and the tasks whose key an older master key wraps."""
         self._ensure_topic(self.layout.keys_spec())
         wrapped = {task: value for task, value in read_keys(self.bootstrap, self.layout.keys, {}, [partition]).items()
                    if value is not None}
@@ -283,12 +308,16 @@ class Scheduler:
             raise SealingError(f"{self.layout.keys} holds data keys but no encryption key is configured "
                                "(STEPSTREAM_ENCRYPTION_KEYS)")
         keyring = self.sealer.keyring
-        return {task: keyring.unwrap(value, task) for task, value in wrapped.items()} if keyring else {}
+        if keyring is None:
+            return {}, []
+        stale = sorted(task for task, value in wrapped.items() if keyring.wrapped_with(value) != keyring.current)
+        return {task: keyring.unwrap(value, task) for task, value in wrapped.items()}, stale
 
     def forget(self, partitions: list[TopicPartition]) -> None:
         for tp in partitions:
             self._tasks.pop(tp.partition, None)
             self._keys.pop(tp.partition, None)
+            self._stale.pop(tp.partition, None)
             self._live.pop(tp.partition, None)
 
     def restore_all(self) -> None:

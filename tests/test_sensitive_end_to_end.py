@@ -219,7 +219,7 @@ def test_a_finished_tasks_card_data_is_erased_when_its_workflows_retention_runs_
     assert keys["brief"] is None and keys["kept"] is not None
 
 
-def test_a_new_master_key_seals_new_tasks_and_old_tasks_still_open_with_the_old_one(card_system: System) -> None:
+def test_a_new_master_key_seals_new_tasks_old_ones_still_open_and_their_keys_are_rewrapped(card_system: System) -> None:
     system = card_system
     start(system)
     with client(system) as python:
@@ -235,9 +235,16 @@ def test_a_new_master_key_seals_new_tasks_and_old_tasks_still_open_with_the_old_
         assert python.wait("after-rotation", timeout_s=60)["status"] == "completed"
         python.submit("orders-card", order("before-rotation"), task_id="before-rotation")  # a repeat: no-op
 
-    keys = read_keys(system.bootstrap, system.layout.keys, {})
-    assert str(keys["before-rotation"]).startswith("k1:") and str(keys["after-rotation"]).startswith("k2:")
+    assert str(read_keys(system.bootstrap, system.layout.keys, {})["after-rotation"]).startswith("k2:")
     assert charged_token(system, "after-rotation") == order("after-rotation")["card_token"]
+    # The repeat went to the old task's partition: the scheduler rewrapped its data key under k2 there.
+    assert wait_for(lambda: str(read_keys(system.bootstrap, system.layout.keys, {})["before-rotation"])
+                    .startswith("k2:"), timeout_s=30)
+    rewrapped = str(read_keys(system.bootstrap, system.layout.keys, {})["before-rotation"])
+    accepted = next(e for e in system.events("before-rotation") if isinstance(e, TaskAccepted))
+    assert Keyring.parse(K2).unwrap(rewrapped, "before-rotation").unseal(
+        accepted.input["card_token"], input_place("before-rotation", "card_token")) \
+        == order("before-rotation")["card_token"], "opens without the retired key: the log was not rewritten"
     assert len([e for e in system.events("before-rotation") if isinstance(e, TaskAccepted)]) == 1
     assert not any(isinstance(e, OperatorAlert) for e in system.events("before-rotation")), \
         "the repeat sealed under the old task's key (opened with the old master key) is no contradiction"

@@ -132,7 +132,8 @@ class TaskWriter:
                                        reply_topic=self.layout.status(holder))
         except InvalidSubmission as exc:
             raise _invalid(exc.field, exc.reason, None) from None
-        command = self.sealing.seal(command, self.store.task(command.task_id) is not None)
+        submitted = command
+        command = self.sealing.seal(submitted, self.store.task(command.task_id) is not None)
         known = self._known_task(command, request.version)
         if known is not None:
             return known
@@ -156,8 +157,10 @@ class TaskWriter:
             case OperatorAlert(reason=reason):
                 self.admission.release(command.task_id)
                 return Answer(409, {"task_id": command.task_id, "detail": reason})
-        # No event: still deciding, or a repeat the scheduler ignored (the store may show the task by now).
-        return self._known_task(command, request.version) or Answer(
+        # No event: still deciding, or a repeat the scheduler ignored (the store may show the task by now; its
+        # marked fields are then compared sealed under the task's own key, as the scheduler compared them).
+        return self._known_task(self.sealing.seal(submitted, self.store.task(command.task_id) is not None),
+                                request.version) or Answer(
             202, {"task_id": command.task_id, "status": "submitted", "location": f"/api/tasks/{command.task_id}",
                   "detail": "on the log; the scheduler has not answered yet: follow the task at its location"},
             self._location(command.task_id))

@@ -153,19 +153,24 @@ def test_an_erased_task_opens_nowhere_shows_erased_after_a_rebuild_and_cannot_be
 ) -> None:
     system = card_system
     start(system)
+    http = system.start_api()
     with client(system) as python:
-        for task in ("forget-me", "keep-me"):
+        for task in ("forget-me", "keep-me", "forget-me-too"):
             python.submit("orders-card", order(task), task_id=task)
-        assert python.wait("forget-me")["status"] == python.wait("keep-me")["status"] == "completed"
+        assert {python.wait(task)["status"] for task in ("forget-me", "keep-me", "forget-me-too")} == {"completed"}
 
     erase = system.cli("task", "erase", "forget-me", "--wait")
     assert erase.returncode == 0, erase.stderr + erase.stdout
     assert "task data erased" in erase.stdout
     erased = [e for e in system.events("forget-me") if isinstance(e, TaskDataErased)]
     assert len(erased) == 1
+    by_http = http.post("/api/tasks/forget-me-too/commands", json={"action": "erase"},
+                        headers={"Authorization": f"Bearer {TOKEN}"})
+    assert by_http.status_code == 200 and by_http.json()["detail"] == "task data erased: its data key is deleted"
+    http.close()
 
     keys = read_keys(system.bootstrap, system.layout.keys, {})
-    assert keys["forget-me"] is None, "the key's tombstone is the last word on the keys topic"
+    assert keys["forget-me"] is None and keys["forget-me-too"] is None, "the tombstone is the last word on keys"
     wrapped = keys["keep-me"]
     assert wrapped is not None
     keyring = Keyring.parse(K1)

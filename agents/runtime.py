@@ -49,7 +49,7 @@ from eventstore.settings import ConsumerSettings, KafkaSettings
 from eventstore.topics import TopicLayout
 from schemas.avro import utc_millis
 from schemas.messages import AgentRequest, AttemptAccepted, StepResult
-from schemas.sealed import EncryptionSettings, Keyring, SealingError, TaskKey, open_step_input
+from schemas.sealed import EncryptionSettings, Keyring, SealingError, TaskKey, open_step_input, seal_fields
 
 __all__ = [
     "Agent",
@@ -282,7 +282,8 @@ class Agent:
                                               attempt_id=request.attempt_id, ok=False, error=str(exc),
                                               permanent=True, calls=0))
                 return
-        output.send(inbox, self.execute(request, accepted_at))
+        result = self.execute(request, accepted_at)
+        output.send(inbox, result if inputs is None else inputs.seal_answer(request, result))
 
     def _wait_until(self, request: AgentRequest) -> None:
         """Hold an undo until its ``not_before``: the forward call it undoes may land until then at a service
@@ -322,6 +323,18 @@ class SealedInputs:
         """``request`` with its input open; SealingError if a sealed value does not open."""
         opened = open_step_input(request.input, request.task_id, lambda: self._key(request.task_id))
         return request.model_copy(update={"input": opened})
+
+    def seal_answer(self, request: AgentRequest, result: StepResult) -> StepResult:
+        """``result`` with the output fields the request names sealed, so ``inbox`` never holds them in clear.
+        The scheduler names fields only for a task that has a data key, and a running task is never erased:
+        a missing key here is a broken invariant (SealingError), not something to answer in clear."""
+        if not request.sealed_output or not result.output:
+            return result
+        key = self._key(request.task_id)
+        if key is None:
+            raise SealingError(f"task {request.task_id}: its answer has marked fields and it has no data key")
+        where = (request.task_id, request.step, "compensation" if request.compensation else "output")
+        return result.model_copy(update={"output": seal_fields(result.output, request.sealed_output, where, key)})
 
     def _key(self, task_id: str) -> TaskKey | None:
         wrapped = self.keys.wrapped(task_id)

@@ -8,9 +8,10 @@ CLI, the HTTP API, the outbox), so ``inbox`` never holds them in clear; the sche
 them on sealed (into ``TaskAccepted`` and every agent request) and never open them; the agent opens them
 with the task's key just before it calls its service.
 
-Step outputs: the decider and the scheduler's memory work with clear values (the next step and the
-compensations need them); what is written to the log, and the outputs handed to later steps' agents, are
-sealed. So ``events``, kept forever, and every projection built from it hold ciphertext only.
+Step outputs: the agent seals the marked fields of its answer (the request names them), so they arrive
+sealed; whatever is still clear (an answer of an older agent, or outputs opened when a partition was
+restored) is sealed on its way to the log and to later steps' agents. So ``inbox``, ``events``, kept
+forever, and every projection built from it hold ciphertext only.
 
 Sealed, per the step's ``sensitive_output`` marking: the marked fields of ``StepSucceeded.output`` and of
 that step's entry in ``TaskCompleted.output``; and every field of ``StepCompensated.output`` of a step

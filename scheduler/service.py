@@ -52,7 +52,7 @@ from scheduler.decider import (
     idempotency_key,
 )
 from scheduler.sealing import EventSealer, open_input, seal_input
-from scheduler.workflow import WorkflowNotFoundError, WorkflowRegistry
+from scheduler.workflow import Step, WorkflowNotFoundError, WorkflowRegistry
 from schemas.messages import (
     AgentRequest,
     AttemptAccepted,
@@ -255,6 +255,7 @@ class Scheduler:
             undoes_key=undoes_key, undoes_attempt=undoes_attempt, start_by=event.start_by, timeout_s=timeout_s,
             compensation=isinstance(event, StepCompensationStarted),
             not_before=event.not_before if isinstance(event, StepCompensationStarted) else None,
+            sealed_output=_marked_answer(step, isinstance(event, StepCompensationStarted)) if data_key else [],
         ))
 
     def _reply_topic(self, state: TaskState, command: Message) -> str | None:
@@ -327,6 +328,14 @@ class Scheduler:
         self._keys.clear()
         self._live.clear()
         self.restore(owned)
+
+
+def _marked_answer(step: Step, compensation: bool) -> list[str]:
+    """The fields of an attempt's answer its agent seals (``*``: all): the step's marking, or for its
+    compensation every field of a marked step, as ``scheduler.sealing`` seals them on ``events``."""
+    if compensation or step.sensitive_output is True:
+        return ["*"] if step.is_sensitive else []
+    return sorted(step.sensitive_output) if step.sensitive_output else []
 
 
 def build_scheduler(kafka: KafkaSettings, consumer: ConsumerSettings, registry: WorkflowRegistry,

@@ -411,6 +411,8 @@ class AgentRequest(Message):
     compensation: bool = Field(default=False, description="the attempt is a compensation attempt")
     not_before: Timestamp | None = Field(default=None, description="a compensation's only: take it (acknowledge "
                                                                    "and call) no earlier than this")
+    sealed_output: list[str] = Field(default_factory=list, description="output fields the agent seals with the "
+                                     "task's data key before answering ('*': every field)")
 
     def work_deadline(self, accepted_at: datetime) -> datetime:
         """When the attempt's work must end if an agent takes the request at ``accepted_at``: the same

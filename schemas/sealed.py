@@ -203,6 +203,13 @@ def open_step_input(data: dict[str, Any], task_id: str, key_of: Callable[[], Tas
     return opened_data
 
 
+def seal_fields(values: dict[str, Any], names: list[str], where: tuple[str, ...], key: TaskKey) -> dict[str, Any]:
+    """``values`` with the named fields (``*``: all) sealed with ``key`` for ``where`` + the field's name."""
+    chosen = set(values) if "*" in names else set(names)
+    return {name: key.seal(value, (*where, name)) if name in chosen and not is_sealed(value) else value
+            for name, value in values.items()}
+
+
 def _associated(where: tuple[str, ...]) -> bytes:
     return "\x00".join(where).encode()
 

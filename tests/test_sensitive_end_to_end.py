@@ -88,7 +88,7 @@ def charged_token(system: System, order_id: str) -> str | None:
     return charges[0].get("card_token") if charges else None
 
 
-def test_a_card_token_submitted_every_way_in_is_charged_yet_nowhere_in_clear(
+def test_a_card_token_submitted_every_way_in_is_charged_yet_it_and_the_marked_output_are_nowhere_in_clear(
     card_system: System, postgres_url: str
 ) -> None:
     system = card_system
@@ -132,7 +132,10 @@ def test_a_card_token_submitted_every_way_in_is_charged_yet_nowhere_in_clear(
     assert wait_for(lambda: any(t == system.layout.dlq for t, _ in every_topic(system)), timeout_s=30)
     metrics = http.get("/metrics").text
 
-    secrets = [*tokens.values(), "tok_other_9999"]
+    # charge marks its charge id: sealed by the payments agent in its answer, so on inbox too.
+    charge_ids = [charge for task in tokens for charge in system.admin.records(task)["charges"]]
+    assert len(charge_ids) == len(tokens)
+    secrets = [*tokens.values(), "tok_other_9999", *charge_ids]
     raw = list(every_topic(system))
     seen = {topic for topic, _ in raw}
     assert {system.layout.inbox, system.layout.events, system.layout.keys, system.layout.dlq,

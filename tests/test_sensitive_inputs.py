@@ -10,10 +10,21 @@ from typing import Any
 
 import pytest
 
+from agents.runtime import SealedInputs
+from eventstore.keys import DataKeys
 from scheduler.decider import Limits, TaskState, decide
 from scheduler.sealing import EventSealer, SubmissionSealer, open_input, seal_input
 from scheduler.workflow import Step, Workflow, WorkflowRegistry
-from schemas.messages import OperatorCommandRefused, StepSucceeded, SubmitTask, TaskAccepted, TaskDataErased
+from schemas.messages import (
+    AgentRequest,
+    OperatorCommandRefused,
+    StepCompensated,
+    StepResult,
+    StepSucceeded,
+    SubmitTask,
+    TaskAccepted,
+    TaskDataErased,
+)
 from schemas.sealed import SEALED, Keyring, SealingError, TaskKey, is_sealed, open_step_input
 from tests.test_decider import NOW
 from tests.test_decider_compensation import apply, command, compensating, in_error, only, run, undo_all
@@ -167,3 +178,37 @@ def test_a_step_output_of_an_erased_task_replays_sealed() -> None:
     sealed = sealer.seal(event, TaskKey.generate())
     assert sealed.output["card_ref"][SEALED].startswith("@task:")
     assert sealer.unseal(sealed, None) == sealed
+
+
+# ---- agents seal the marked fields of their answers -----------------------------------------------
+
+
+def answer_sealed(*, compensation: bool, marked: list[str], output: dict[str, Any]) -> tuple[dict[str, Any], TaskKey]:
+    """``output`` as the agent answers it for a request naming ``marked``, and the task's key."""
+    key = TaskKey.generate()
+    keys = DataKeys("127.0.0.1:1", "keys")  # never read: the task's key is known already
+    keys._wrapped["t1"] = KEYRING.wrap(key, "t1")
+    attempt = "t1:charge:undo:1" if compensation else "t1:charge:1"
+    request = AgentRequest(task_id="t1", step="charge", attempt=1, attempt_id=attempt, idempotency_key="t1:charge",
+                           complete_by=NOW, calls_allowed=1, input={}, compensation=compensation,
+                           sealed_output=marked)
+    result = StepResult(task_id="t1", step="charge", attempt_id=attempt, ok=True, output=output)
+    sealed = SealedInputs(keys, KEYRING).seal_answer(request, result).output
+    assert sealed is not None
+    return sealed, key
+
+
+def test_an_agent_seals_the_marked_fields_of_its_answer_where_the_scheduler_opens_them() -> None:
+    sealed, key = answer_sealed(compensation=False, marked=["card_ref"], output={"card_ref": "ref-9", "id": "c"})
+    assert is_sealed(sealed["card_ref"]) and sealed["id"] == "c"
+    event = StepSucceeded(task_id="t1", sequence=3, workflow="pay", workflow_version=1, causation_id="c",
+                          step="charge", attempt_id="t1:charge:1", output=sealed, calls=1)
+    assert EventSealer(REGISTRY, KEYRING).unseal(event, key).output == {"card_ref": "ref-9", "id": "c"}
+
+
+def test_a_compensation_of_a_marked_step_answers_every_field_sealed() -> None:
+    sealed, key = answer_sealed(compensation=True, marked=["*"], output={"refunded": ["ref-9"], "status": "ok"})
+    assert all(is_sealed(value) for value in sealed.values())
+    event = StepCompensated(task_id="t1", sequence=9, workflow="pay", workflow_version=1, causation_id="c",
+                            step="charge", attempt_id="t1:charge:undo:1", output=sealed, calls=1)
+    assert EventSealer(REGISTRY, KEYRING).unseal(event, key).output == {"refunded": ["ref-9"], "status": "ok"}

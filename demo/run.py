@@ -32,9 +32,8 @@ from eventstore.settings import KafkaSettings
 from projections.settings import StoreSettings
 from scheduler.decider import TERMINAL
 from schemas.messages import SubmitTask
-from schemas.sealed import Keyring
 from stepstream.client import Client
-from stepstream.up import local_keys, refuse_if_up, wait_until_up
+from stepstream.up import refuse_if_up, wait_until_up
 
 
 def _orders(run_id: str, count: int) -> list[SubmitTask]:
@@ -81,8 +80,7 @@ def _submit(console: Console, kafka: KafkaSettings, orders: list[SubmitTask], ap
     and the first HTTP one again: a repeat, answered 200, that runs once. The client seals each card token
     with the system's master key (the one ``up`` gave its services), the API seals the others."""
     half = len(orders) // 2
-    keyring = Keyring.parse(local_keys(kafka.home.resolve()))
-    with Client(kafka=kafka, submitter="demo", keyring=keyring) as client:
+    with Client(kafka=kafka, submitter="demo") as client:  # the key ``up`` gave its services
         for order in orders[:half]:
             client.submit(order.workflow, order.input, task_id=order.task_id)
     answers: dict[int, int] = {}

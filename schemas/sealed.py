@@ -27,6 +27,7 @@ import binascii
 import os
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -212,6 +213,30 @@ def seal_fields(values: dict[str, Any], names: list[str], where: tuple[str, ...]
 
 def _associated(where: tuple[str, ...]) -> bytes:
     return "\x00".join(where).encode()
+
+
+LOCAL_KEYS_FILE = "encryption-keys"
+
+
+def configured_keys(home: Path, *, create: bool = False) -> str | None:
+    """The master keys spec: ``STEPSTREAM_ENCRYPTION_KEYS``, else the development key of a local home
+    (``<home>/encryption-keys``, readable by its owner only), which ``stepstream up`` makes once (``create``)
+    so that a local system and the commands run beside it share one; None when neither exists. A
+    deployment sets the variable; the file is for local systems."""
+    configured = EncryptionSettings().encryption_keys.get_secret_value().strip()
+    if configured:
+        return configured
+    path = home / LOCAL_KEYS_FILE
+    if create and not path.exists():
+        home.mkdir(parents=True, exist_ok=True)
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(descriptor, "w") as out:
+            out.write(f"local1:{Keyring.generate_key()}\n")
+    if not path.exists():
+        return None
+    spec = path.read_text().strip()
+    Keyring.parse(spec)  # a damaged file stops here, naming the entry, never repeating a key
+    return spec
 
 
 class EncryptionSettings(BaseSettings):

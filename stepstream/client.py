@@ -44,7 +44,7 @@ from scheduler.workflow import WorkflowNotFoundError, WorkflowRegistry
 from schemas.codec import default_codec
 from schemas.errors import DecodeError
 from schemas.messages import OperatorAction, OperatorCommand, StatusUpdate, SubmitTask, new_id
-from schemas.sealed import EncryptionSettings, Keyring
+from schemas.sealed import Keyring, configured_keys
 
 
 class InvalidSubmission(StepstreamError, ValueError):
@@ -99,7 +99,8 @@ class SubmissionKeys:
 class Client:
     """One producer and, if a submitter name is given, that submitter's private reply topic.
 
-    ``keyring`` (default: ``STEPSTREAM_ENCRYPTION_KEYS``) seals the input fields the workflows mark."""
+    ``keyring`` (default: ``STEPSTREAM_ENCRYPTION_KEYS``, else the local home's key that ``stepstream up``
+    made) seals the input fields the workflows mark."""
 
     def __init__(self, *, kafka: KafkaSettings | None = None, submitter: str | None = None,
                  store_path: Path | None = None, registry: WorkflowRegistry | None = None,
@@ -128,7 +129,8 @@ class Client:
         """Made at the first submission: a client that only reads, sends operator commands or submits to
         unmarked workflows needs no key; a submission to a marked one without a key raises SealingError
         before anything is produced."""
-        return SubmissionKeys(self.registry, self._keyring or EncryptionSettings().keyring(),
+        spec = configured_keys(self.kafka.home)
+        return SubmissionKeys(self.registry, self._keyring or (Keyring.parse(spec) if spec else None),
                               bootstrap=self.bootstrap, layout=self.layout)
 
     @property

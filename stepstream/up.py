@@ -32,7 +32,7 @@ from eventstore.settings import ConsumerSettings, KafkaSettings, ObservabilitySe
 from eventstore.shutdown import GracefulShutdown
 from eventstore.topics import TopicLayout, ensure_topics
 from scheduler.settings import SchedulerSettings
-from schemas.sealed import EncryptionSettings, Keyring
+from schemas.sealed import configured_keys
 from stepstream.http.settings import ApiSettings
 from stepstream.processes import ServiceProcesses, child_env
 from stepstream.restarts import RestartPolicy, RestartSettings
@@ -67,24 +67,6 @@ def refuse_if_up(home: Path) -> None:
                         "or use another STEPSTREAM_HOME")
 
 
-def local_keys(home: Path) -> str:
-    """``STEPSTREAM_ENCRYPTION_KEYS``, or else this home's development master key, made once (a file only
-    its owner reads, ``<home>/encryption-keys``) so that a local system seals what its workflows mark
-    and still opens it after a restart. A deployment sets the variable; the file is for ``up`` alone."""
-    configured = EncryptionSettings().encryption_keys.get_secret_value().strip()
-    if configured:
-        return configured
-    path = home / "encryption-keys"
-    if not path.exists():
-        home.mkdir(parents=True, exist_ok=True)
-        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(descriptor, "w") as out:
-            out.write(f"local1:{Keyring.generate_key()}\n")
-    spec = path.read_text().strip()
-    Keyring.parse(spec)  # a damaged file stops here, before any service starts
-    return spec
-
-
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -114,7 +96,7 @@ def run_up(service_port: int | None = None) -> int:
                              log_path=logs / "orders-service.log").start()
     procs = ServiceProcesses(child_env(STEPSTREAM_BOOTSTRAP_SERVERS=bootstrap, STEPSTREAM_HOME=str(home),
                                        STEPSTREAM_AGENT_SERVICE_URL=service.base_url,
-                                       STEPSTREAM_ENCRYPTION_KEYS=local_keys(home)), logs)
+                                       STEPSTREAM_ENCRYPTION_KEYS=configured_keys(home, create=True) or ""), logs)
     names = [*services, "api"]
     gave_up: str | None = None
     try:

@@ -264,5 +264,5 @@ def test_a_scheduler_without_a_key_for_a_workflow_marking_inputs_refuses_to_star
     system.procs.service("scheduler", "scheduler")
     assert wait_for(lambda: not system.procs.alive("scheduler"), timeout_s=60)
     log = system.procs.log("scheduler")
-    assert "orders-card v1 mark sensitive data but no encryption key" in log
+    assert "workflows orders-card v1, orders-card-brief v1 mark sensitive data but no encryption key" in log
     assert K1.split(":")[1] not in log

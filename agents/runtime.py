@@ -44,6 +44,7 @@ from agents.policy import AgentPolicy, DependencyPolicy, PolicyProvider, StaticP
 from agents.retry import RetryPolicy
 from eventstore.errors import PoisonMessageError
 from eventstore.keyed import KeyedConsumerRuntime
+from eventstore.keys import DataKeys
 from eventstore.producer import EventProducer, Headers
 from eventstore.runtime import Record
 from eventstore.settings import ConsumerSettings, KafkaSettings
@@ -51,6 +52,7 @@ from eventstore.topics import TopicLayout
 from eventstore.tracing import headers_of, span_for, tracer
 from schemas.avro import utc_millis
 from schemas.messages import AgentRequest, AttemptAccepted, ErrorKind, StepResult
+from schemas.sealed import EncryptionSettings, Keyring, SealingError, TaskKey, open_step_input, seal_fields
 
 __all__ = [
     "Agent",
@@ -275,7 +277,7 @@ class Agent:
             if self._sleep(delay):
                 raise AttemptAbandoned(f"draining during a back-off; last error: {last}") from fault
 
-    def handle(self, record: Record, output: EventProducer, inbox: str) -> None:
+    def handle(self, record: Record, output: EventProducer, inbox: str, inputs: SealedInputs | None = None) -> None:
         """Take one request: acknowledge it (its work deadline starts now), then run it and answer.
 
         The acknowledgement and the answer go to the same inbox partition (same key) from the same
@@ -283,15 +285,19 @@ class Agent:
         is answered at once without a call: the scheduler may already have given up on it, and an attempt
         that never called leaves nothing to undo. A redelivered request (after a crash) is acknowledged
         again; the scheduler ignores the second one.
+
+        ``inputs`` opens the request's sealed fields just before the call (the request stays sealed while it
+        waits); a value that does not open (the task's data was erased) is a permanent failure with no call.
         """
         request = record.message
         if not isinstance(request, AgentRequest):
             raise PoisonMessageError(f"{type(request).__name__} is not an agent request")
         with span_for(request.task_id, f"agent {self.name}", record.headers, kind=SpanKind.CONSUMER,
                       **{"stepstream.step": request.step, "stepstream.attempt_id": request.attempt_id}) as span:
-            self._handle(request, output, inbox, headers_of(span.get_span_context()))
+            self._handle(request, output, inbox, inputs, headers_of(span.get_span_context()))
 
-    def _handle(self, request: AgentRequest, output: EventProducer, inbox: str, headers: Headers) -> None:
+    def _handle(self, request: AgentRequest, output: EventProducer, inbox: str, inputs: SealedInputs | None,
+                headers: Headers) -> None:
         if request.not_before is not None:
             self._wait_until(request)
         accepted_at = utc_millis(self._now())
@@ -303,7 +309,18 @@ class Agent:
             output.send(inbox, AttemptAccepted(task_id=request.task_id, step=request.step,
                                                attempt_id=request.attempt_id, compensation=request.compensation,
                                                accepted_at=accepted_at), headers=headers)
-        output.send(inbox, self.execute(request, accepted_at), headers=headers)
+        if inputs is not None:
+            try:
+                request = inputs.open(request)
+            except SealingError as exc:
+                log.error("sealed input does not open", error=str(exc), agent=self.name, task_id=request.task_id,
+                          step=request.step, attempt=request.attempt)
+                output.send(inbox, StepResult(task_id=request.task_id, step=request.step,
+                                              attempt_id=request.attempt_id, ok=False, error=str(exc),
+                                              permanent=True, calls=0), headers=headers)
+                return
+        result = self.execute(request, accepted_at)
+        output.send(inbox, result if inputs is None else inputs.seal_answer(request, result), headers=headers)
 
     def _wait_until(self, request: AgentRequest) -> None:
         """Hold an undo until its ``not_before``: the forward call it undoes may land until then at a service
@@ -330,19 +347,58 @@ class Agent:
                           error=error, permanent=False, calls=0)
 
 
-def build_agent(kafka: KafkaSettings, consumer: ConsumerSettings, agent: Agent, concurrency: int = 1
-                ) -> KeyedConsumerRuntime:
+class SealedInputs:
+    """Opens the sealed values of a request's input with its task's data key, read from the ``keys`` topic
+    and unwrapped with the master keys: the agent's service gets the clear values it works with, and
+    nothing the agent answers or logs is made of them."""
+
+    def __init__(self, keys: DataKeys, keyring: Keyring | None) -> None:
+        self.keys = keys
+        self.keyring = keyring
+
+    def open(self, request: AgentRequest) -> AgentRequest:
+        """``request`` with its input open; SealingError if a sealed value does not open."""
+        opened = open_step_input(request.input, request.task_id, lambda: self._key(request.task_id))
+        return request.model_copy(update={"input": opened})
+
+    def seal_answer(self, request: AgentRequest, result: StepResult) -> StepResult:
+        """``result`` with the output fields the request names sealed, so ``inbox`` never holds them in clear.
+        The scheduler names fields only for a task that has a data key, and a running task is never erased:
+        a missing key here is a broken invariant (SealingError), not something to answer in clear."""
+        if not request.sealed_output or not result.output:
+            return result
+        key = self._key(request.task_id)
+        if key is None:
+            raise SealingError(f"task {request.task_id}: its answer has marked fields and it has no data key")
+        where = (request.task_id, request.step, "compensation" if request.compensation else "output")
+        return result.model_copy(update={"output": seal_fields(result.output, request.sealed_output, where, key)})
+
+    def _key(self, task_id: str) -> TaskKey | None:
+        wrapped = self.keys.wrapped(task_id)
+        if wrapped is None:
+            return None
+        if self.keyring is None:
+            raise SealingError(f"task {task_id}: its input is sealed and this agent has no encryption key "
+                               "(STEPSTREAM_ENCRYPTION_KEYS)")
+        return self.keyring.unwrap(wrapped, task_id)
+
+
+def build_agent(kafka: KafkaSettings, consumer: ConsumerSettings, agent: Agent, concurrency: int = 1,
+                keyring: Keyring | None = None) -> KeyedConsumerRuntime:
     """The agent on the keyed runtime: up to ``concurrency`` attempts in flight, one at a time per task.
 
     The breaker, retry budget and policy are the agent's, so every concurrent attempt shares them.
+    ``keyring`` (default: ``STEPSTREAM_ENCRYPTION_KEYS``) opens the sealed fields of its requests.
     """
     layout = TopicLayout.from_settings(kafka)
+    inputs = SealedInputs(DataKeys(kafka.resolved_bootstrap(), layout.keys),
+                          keyring or EncryptionSettings().keyring())
     return KeyedConsumerRuntime(
         concurrency=concurrency,
         bootstrap=kafka.resolved_bootstrap(),
         group_id=layout.agent_group(agent.name),
         topics=[layout.agent(agent.name)],
-        handler=lambda record, output: agent.handle(record, output, layout.inbox),
+        handler=lambda record, output: agent.handle(record, output, layout.inbox, inputs),
         dlq_topic=layout.dlq,
         settings=consumer,
         stop_event=agent.stopping,

@@ -18,7 +18,8 @@ Request contract (every operation, ``POST /<operation>`` with a JSON object body
   attempt number, a non-negative integer used as a fencing token. Missing or invalid -> 400 naming
   the header.
 - The body must carry ``order_id``; ``qty`` (if present) must be a positive integer, ``amount`` (if
-  present) a non-negative number. Violations are permanent errors: 422.
+  present) a non-negative number, ``card_token`` (if present) a non-empty string, which a charge keeps
+  with its record (the card it charged). Violations are permanent errors: 422.
 - A key already applied for that operation returns the stored result (200, header
   ``Idempotent-Replayed: true``) and applies nothing. The same key with a *different* body is a
   client bug and answers 422 ``idempotency_key_reused`` (as Stripe does), never a silent replay.
@@ -315,6 +316,10 @@ def validate_body(body: JSON) -> str:
         amount = body["amount"]
         if isinstance(amount, bool) or not isinstance(amount, int | float) or amount < 0:
             raise ProblemError(422, "validation_error", "amount must be a non-negative number", field="amount")
+    if "card_token" in body and (not isinstance(body["card_token"], str) or not body["card_token"]):
+        # A sealed envelope arriving here means an agent failed to open it: refused, never charged, and the
+        # answer does not repeat the value.
+        raise ProblemError(422, "validation_error", "card_token must be a non-empty string", field="card_token")
     return order_id
 
 
@@ -372,6 +377,7 @@ def apply_operation(state: OrdersState, op: Operation, body: JSON, order_id: str
             "order_id": order_id,
             "amount": body.get("amount", 0),
             "currency": body.get("currency", "EUR"),
+            "card_token": body.get("card_token"),
             "status": "captured",
             "captured_by": key,
             "captured_at": _now(),

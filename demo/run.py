@@ -37,15 +37,17 @@ from stepstream.local.up import refuse_if_up, wait_until_up
 
 
 def _orders(run_id: str, count: int) -> list[SubmitTask]:
+    """Orders of the latest ``orders`` version, each paid with a card token (sealed before it is sent)."""
     orders = [
         SubmitTask(task_id=f"order-{run_id}-{i:03d}", workflow="orders", submitter="demo",
                    input={"order_id": f"{run_id}-{i:03d}", "sku": f"SKU-{i % 5}", "qty": 1 + i % 3,
-                          "amount": 10 + i})
+                          "amount": 10 + i, "card_token": f"tok_{secrets.token_hex(8)}"})
         for i in range(count - 1)
     ]
     # One order the service refuses for good (qty 0) at the first step: nothing to undo, no retries.
     orders.append(SubmitTask(task_id=f"order-{run_id}-bad", workflow="orders", submitter="demo",
-                             input={"order_id": f"{run_id}-bad", "sku": "SKU-0", "qty": 0, "amount": 5}))
+                             input={"order_id": f"{run_id}-bad", "sku": "SKU-0", "qty": 0, "amount": 5,
+                                    "card_token": f"tok_{secrets.token_hex(8)}"}))
     return orders
 
 
@@ -75,9 +77,10 @@ def run_demo(tasks: int = 20, timeout_s: float = 180.0) -> int:
 
 def _submit(console: Console, kafka: KafkaSettings, orders: list[SubmitTask], api_url: str, token: str) -> None:
     """Half the orders with the Python client, half over HTTP (each answered with the scheduler's decision),
-    and the first HTTP one again: a repeat, answered 200, that runs once."""
+    and the first HTTP one again: a repeat, answered 200, that runs once. The client seals each card token
+    with the system's master key (the one ``up`` gave its services), the API seals the others."""
     half = len(orders) // 2
-    with Client(kafka=kafka, submitter="demo") as client:
+    with Client(kafka=kafka, submitter="demo") as client:  # the key ``up`` gave its services
         for order in orders[:half]:
             client.submit(order.workflow, order.input, task_id=order.task_id)
     answers: dict[int, int] = {}

@@ -55,6 +55,11 @@ class TopicLayout:
         return f"{self.prefix}dlq"
 
     @property
+    def keys(self) -> str:
+        """Each task's data key, wrapped by a master key; compacted, so an erased key leaves the log."""
+        return f"{self.prefix}keys"
+
+    @property
     def supervisor_lease(self) -> str:
         return f"{self.prefix}supervisor-lease"
 
@@ -72,7 +77,17 @@ class TopicLayout:
             TopicSpec(self.events, self.partitions, event_store),
             TopicSpec(self.dlq, self.partitions, {"retention.ms": FOREVER}),
             TopicSpec(self.supervisor_lease, 1),
+            self.keys_spec(),
         ]
+
+    def keys_spec(self) -> TopicSpec:
+        """Compacted, and soon: an erased key's tombstone replaces the wrapped key within the hour (the active
+        segment rolls hourly and compaction may not lag longer), and the tombstone itself goes a day later.
+        Same partition count as inbox: the scheduler writes a task's key beside its events."""
+        hour = str(3600 * 1000)
+        return TopicSpec(self.keys, self.partitions, {
+            "cleanup.policy": "compact", "segment.ms": hour, "max.compaction.lag.ms": hour,
+            "min.cleanable.dirty.ratio": "0.01", "delete.retention.ms": str(24 * 3600 * 1000)})
 
     # -- consumer groups (each starts with the prefix, so the lag report and one prefixed ACL find them) --
 

@@ -158,6 +158,18 @@ MIGRATIONS: tuple[tuple[int, Script], ...] = (
         -- a task whose history the scheduler cannot fold is 'quarantined' until an operator releases it: why
         alter table tasks add column quarantine_reason text;
     """),
+    (7, """
+        -- crypto-shredding: when the task's data key was deleted and by whom (an operator, or retention);
+        -- its sealed values stay in task_history as they are, and open nowhere
+        alter table tasks add column erased_at integer;
+        alter table tasks add column erased_by text;
+        -- retention: how long a finished task's sensitive data is kept (its workflow's), and when it is due
+        alter table tasks add column retention_ms integer;
+        alter table tasks add column erase_due_at integer;
+        -- the supervisor's retention sweep: tasks due and not erased yet, soonest first
+        create index tasks_erase_due on tasks (erase_due_at, task_id)
+            where erase_due_at is not null and erased_at is null;
+    """),
 )
 
 

@@ -8,7 +8,9 @@ is in progress, forward or compensating, so the supervisor's one scan finds both
 attempt number, failures, calls and error have columns of their own. An attempt is ``queued`` (or
 ``compensation_queued``) until its agent takes it, with ``complete_by`` holding its start-by meanwhile; then
 ``processing`` (or ``compensating``) with the work deadline, and ``waited_ms`` says how long it waited. Bodies in
-``task_history`` are the events as the log holds them: sealed fields stay sealed.
+``task_history`` are the events as the log holds them: sealed fields stay sealed. An erased task's row says
+when and by whom (``erased_at``, ``erased_by``): its sealed values no longer open anywhere. A task of a
+workflow with a retention for sensitive data gets ``erase_due_at`` when it completes or is compensated.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from schemas.messages import (
     TaskCompensated,
     TaskCompensationFailed,
     TaskCompleted,
+    TaskDataErased,
     TaskFailed,
     TaskQuarantined,
     TaskRejected,
@@ -91,6 +94,9 @@ def project(db: Executor, event: Event) -> None:
                 (event.task_id, event.workflow, event.workflow_version, status, event.sequence, at, at, error,
                  event.task_id, event.sequence, at),
             )
+            if isinstance(event, TaskAccepted) and event.retention_s is not None:
+                db.execute("update tasks set retention_ms = ? where task_id = ?",
+                           (round(event.retention_s * 1000), event.task_id))
             return
         case StepStarted():
             step_status, deadline, start_by = _handed_over(event, StepStatus.QUEUED, StepStatus.PROCESSING)
@@ -130,8 +136,8 @@ def project(db: Executor, event: Event) -> None:
             )
             db.execute("update tasks set failure_count = failure_count + 1 where task_id = ?", (event.task_id,))
         case TaskCompleted():
-            db.execute("update tasks set status = ?, current_step = null where task_id = ?",
-                       (TaskStatus.COMPLETED, event.task_id))
+            db.execute("update tasks set status = ?, current_step = null, erase_due_at = ? + retention_ms "
+                       "where task_id = ?", (TaskStatus.COMPLETED, at, event.task_id))
         case TaskFailed():
             db.execute("update tasks set status = ?, error = ? where task_id = ?",
                        (TaskStatus.ERROR, _headline(event.step, event.reason), event.task_id))
@@ -189,8 +195,8 @@ def project(db: Executor, event: Event) -> None:
             db.execute("update tasks set status = ?, error = ? where task_id = ?",
                        (TaskStatus.COMPENSATING, _compensation_cause(db, event.task_id), event.task_id))
         case TaskCompensated():
-            db.execute("update tasks set status = ?, current_step = null where task_id = ?",
-                       (TaskStatus.COMPENSATED, event.task_id))
+            db.execute("update tasks set status = ?, current_step = null, erase_due_at = ? + retention_ms "
+                       "where task_id = ?", (TaskStatus.COMPENSATED, at, event.task_id))
         case TaskCompensationFailed():
             db.execute("update tasks set status = ?, current_step = null, error = ? where task_id = ?",
                        (TaskStatus.COMPENSATION_FAILED, _headline(event.step, event.reason), event.task_id))
@@ -214,6 +220,9 @@ def project(db: Executor, event: Event) -> None:
         case TaskReleased():
             db.execute("update tasks set status = ?, quarantine_reason = null where task_id = ?",
                        (event.status, event.task_id))
+        case TaskDataErased():
+            db.execute("update tasks set erased_at = ?, erased_by = ? where task_id = ?",
+                       (at, event.operator or "an operator", event.task_id))
         case MessageIgnored() | OperatorCommandRefused():
             pass
     db.execute(task_update, (event.sequence, at, event.task_id))

@@ -35,7 +35,7 @@ T = TypeVar("T")
 # Tables that are not part of the projection: never compared, never swapped.
 BOOKKEEPING = frozenset({"schema_migrations", "sqlite_sequence", "sqlite_stat1", "sqlite_stat4"})
 TASK_COLUMNS = ("task_id, workflow, workflow_version, status, sequence, current_step, failure_count, error, "
-                "created_at, updated_at, retry_at, wait_reason, quarantine_reason")
+                "created_at, updated_at, retry_at, wait_reason, quarantine_reason, erased_at, erased_by, erase_due_at")
 
 
 def _status_in(statuses: Sequence[StepStatus]) -> str:
@@ -305,6 +305,12 @@ class Store(ABC):
 
     def step_counts_by_status(self) -> dict[str, int]:
         return {s: int(n) for s, n in self._rows("select status, count(*) from steps group by status")}
+
+    def erase_due(self, now: datetime, limit: int = 100) -> list[str]:
+        """Tasks whose retention for sensitive data ran out and that are not erased yet, soonest due first."""
+        return [str(row[0]) for row in self._rows(
+            "select task_id from tasks where erase_due_at is not null and erased_at is null and erase_due_at <= ? "
+            "order by erase_due_at, task_id limit ?", (ms(now), limit))]
 
     def stuck_steps(self, now: datetime, limit: int = 50) -> list[dict[str, Any]]:
         """Steps still queued, processing or compensating after their deadline, oldest deadline first."""

@@ -1,8 +1,17 @@
-"""Which event fields are sensitive, sealed on their way to ``events`` and opened when the scheduler restores.
+"""Which fields are sensitive, and sealing them: task inputs at submission, step outputs on their way to ``events``.
 
-The decider and the scheduler's memory work with clear values (the next step and the compensations need
-them); only what is written to the log is sealed. So ``events``, kept forever, and every projection built
-from it hold ciphertext only, and the scheduler is the one reader holding the keys.
+Every task of a workflow that marks anything has its own data key (``schemas.sealed.TaskKey``), wrapped by
+the master keys and kept on the compacted ``keys`` topic; deleting it there erases the task's data.
+
+Inputs (``Workflow.sensitive_input``) are sealed by whoever submits (``SubmissionSealer``: the client, the
+CLI, the HTTP API, the outbox), so ``inbox`` never holds them in clear; the scheduler and the decider pass
+them on sealed (into ``TaskAccepted`` and every agent request) and never open them; the agent opens them
+with the task's key just before it calls its service.
+
+Step outputs: the agent seals the marked fields of its answer (the request names them), so they arrive
+sealed; whatever is still clear (an answer of an older agent, or outputs opened when a partition was
+restored) is sealed on its way to the log and to later steps' agents. So ``inbox``, ``events``, kept
+forever, and every projection built from it hold ciphertext only.
 
 Sealed, per the step's ``sensitive_output`` marking: the marked fields of ``StepSucceeded.output`` and of
 that step's entry in ``TaskCompleted.output``; and every field of ``StepCompensated.output`` of a step
@@ -11,46 +20,123 @@ identifiers it was given to undo). The compensation's input is never written to 
 from the sealed step output.
 
 Unsealing follows the same markings and leaves a marked value written in clear (before it was marked) as
-it is. A workflow version must not change its markings once it ran; a new marking belongs in a new version.
+it is, and a value whose task key is gone (erased) sealed. Events written before tasks had data keys were
+sealed with a master key directly; those still open with it. A workflow version must not change its
+markings once it ran; a new marking belongs in a new version.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from scheduler.workflow import Workflow, WorkflowNotFoundError, WorkflowRegistry
-from schemas.messages import Event, StepCompensated, StepSucceeded, TaskCompleted
-from schemas.sealed import Keyring, SealingError, is_sealed
+from scheduler.workflow import Step, Workflow, WorkflowNotFoundError, WorkflowRegistry
+from schemas.messages import Event, StepCompensated, StepSucceeded, SubmitTask, TaskCompleted
+from schemas.sealed import Keyring, SealingError, TaskKey, input_place, is_sealed, sealed_with_task_key
 
 _Transform = Callable[[Any, tuple[str, ...]], Any]
 E = TypeVar("E", bound=Event)
 
 
-class EventSealer:
-    """Seals and opens the sensitive fields of one registry's events with one keyring."""
+def require_keyring(registry: WorkflowRegistry, keyring: Keyring | None) -> Keyring | None:
+    """``keyring``, or SealingError naming the workflows that mark data when there is none: a process that
+    would have to write their data in clear refuses to start instead."""
+    if keyring is None and registry.has_sensitive_data:
+        marked = sorted({f"{w.name} v{w.version}" for w in registry.workflows() if w.has_sensitive_data})
+        raise SealingError(f"workflows {', '.join(marked)} mark sensitive data but no encryption key is "
+                           "configured (STEPSTREAM_ENCRYPTION_KEYS): refusing to write it in clear")
+    return keyring
+
+
+def seal_input(workflow: Workflow, task_id: str, data: dict[str, Any], key: TaskKey) -> dict[str, Any]:
+    """``data`` with the workflow's sensitive input fields sealed with ``key`` (ones already sealed kept)."""
+    return {name: key.seal(value, input_place(task_id, name))
+            if name in workflow.sensitive_input and not is_sealed(value) else value
+            for name, value in data.items()}
+
+
+def open_input(workflow: Workflow, task_id: str, data: dict[str, Any], key: TaskKey) -> dict[str, Any]:
+    """``data`` with its fields sealed with ``key`` open again (to seal them under another task key)."""
+    return {name: key.unseal(value, input_place(task_id, name)) if sealed_with_task_key(value) else value
+            for name, value in data.items()}
+
+
+class SubmissionSealer:
+    """Seals the marked input fields of submissions before they are produced, with the task's data key.
+
+    Without a keyring, a submission to a workflow that marks inputs is refused (SealingError) and one to
+    any other workflow passes: a submitter of unmarked workflows needs no key."""
 
     def __init__(self, registry: WorkflowRegistry, keyring: Keyring | None) -> None:
-        if keyring is None and registry.has_sensitive_data:
-            marked = sorted({f"{w.name} v{w.version}" for w in registry.workflows() if w.has_sensitive_data})
-            raise SealingError(f"workflows {', '.join(marked)} mark sensitive output but no encryption key is "
-                               "configured (STEPSTREAM_ENCRYPTION_KEYS): refusing to write it in clear")
         self.registry = registry
         self.keyring = keyring
 
-    def seal(self, event: E) -> E:
-        """``event`` as it may be written to the log."""
-        if self.keyring is None:
-            return event
-        keyring = self.keyring
-        return self._transform(event, lambda value, where: value if is_sealed(value) else keyring.seal(value, where))
+    def needs_key(self, command: SubmitTask) -> bool:
+        """Whether ``command`` has fields to seal (and so needs its task's data key)."""
+        return bool(self._workflow(command).sensitive_input) and command.data_key is None
 
-    def unseal(self, event: E) -> E:
-        """``event`` as read from the log, with its sealed fields open again."""
+    def seal(self, command: SubmitTask, key: TaskKey | None = None) -> SubmitTask:
+        """``command`` with its marked fields sealed with ``key`` (default: a new one; pass a known task's
+        key so a repeat seals to the same bytes) and that key, wrapped, beside them. A submission already
+        carrying a data key is sealed already: it is returned as it is."""
+        if not self.needs_key(command):
+            return command
+        workflow = self._workflow(command)
         if self.keyring is None:
+            raise SealingError(f"workflow {workflow.name} v{workflow.version} marks input fields sensitive but no "
+                               "encryption key is configured (STEPSTREAM_ENCRYPTION_KEYS): refusing to send "
+                               "them in clear")
+        key = key or TaskKey.generate()
+        return command.model_copy(update={"input": seal_input(workflow, command.task_id, command.input, key),
+                                          "data_key": self.keyring.wrap(key, command.task_id)})
+
+    def _workflow(self, command: SubmitTask) -> Workflow:
+        return self.registry.get(command.workflow, command.workflow_version)
+
+
+class EventSealer:
+    """Seals and opens the sensitive fields of one registry's events: with the task's data key, or, for
+    events written before tasks had one, with the master keyring."""
+
+    def __init__(self, registry: WorkflowRegistry, keyring: Keyring | None) -> None:
+        self.registry = registry
+        self.keyring = require_keyring(registry, keyring)
+
+    def seal(self, event: E, key: TaskKey | None) -> E:
+        """``event`` as it may be written to the log."""
+        sealer = key or self.keyring
+        if sealer is None:
             return event
-        keyring = self.keyring
-        return self._transform(event, lambda value, where: keyring.unseal(value, where) if is_sealed(value) else value)
+        return self._transform(event, lambda value, where: value if is_sealed(value) else sealer.seal(value, where))
+
+    def unseal(self, event: E, key: TaskKey | None) -> E:
+        """``event`` as read from the log, with its sealed fields open again; values of an erased task (no
+        ``key``) stay sealed."""
+        return self._transform(event, lambda value, where: self._open(value, where, key))
+
+    def opener(self, keys: Mapping[str, TaskKey]) -> Callable[[Event], Event]:
+        """``unseal`` with each event's task key looked up in ``keys`` (a partition's, while it restores)."""
+        return lambda event: self.unseal(event, keys.get(event.task_id))
+
+    def seal_outputs(self, workflow: Workflow, task_id: str, outputs: dict[str, Any], key: TaskKey | None
+                     ) -> dict[str, Any]:
+        """Step outputs by step name (as an agent request carries them), each step's marked fields sealed."""
+        if key is None:
+            return outputs
+        task_key = key
+        return {name: _step_output(workflow.step(name), task_id, output,
+                                   lambda value, where: value if is_sealed(value) else task_key.seal(value, where))
+                if isinstance(output, dict) else output
+                for name, output in outputs.items()}
+
+    def _open(self, value: Any, where: tuple[str, ...], key: TaskKey | None) -> Any:
+        if not is_sealed(value):
+            return value
+        if sealed_with_task_key(value):
+            return value if key is None else key.unseal(value, where)
+        if self.keyring is None:
+            raise SealingError(f"a value sealed with a master key at {'/'.join(where)} and no key configured")
+        return self.keyring.unseal(value, where)
 
     def _transform(self, event: E, apply: _Transform) -> E:
         if not isinstance(event, StepSucceeded | StepCompensated | TaskCompleted):
@@ -63,7 +149,7 @@ class EventSealer:
         match event:
             case StepSucceeded():
                 step = workflow.step(event.step)
-                output = _fields(original, step.sensitive_fields(original), (task, step.name, "output"), apply)
+                output = _step_output(step, task, original, apply)
             case StepCompensated():
                 step = workflow.step(event.step)
                 marked = sorted(original) if step.is_sensitive else []
@@ -82,8 +168,12 @@ def _completed_output(workflow: Workflow, event: TaskCompleted, apply: _Transfor
     outputs = dict(outputs)
     for step in marked:
         value = outputs[step.name]
-        outputs[step.name] = _fields(value, step.sensitive_fields(value), (event.task_id, step.name, "output"), apply)
+        outputs[step.name] = _step_output(step, event.task_id, value, apply)
     return outputs
+
+
+def _step_output(step: Step, task_id: str, output: dict[str, Any], apply: _Transform) -> dict[str, Any]:
+    return _fields(output, step.sensitive_fields(output), (task_id, step.name, "output"), apply)
 
 
 def _fields(output: dict[str, Any], names: list[str], where: tuple[str, ...], apply: _Transform) -> dict[str, Any]:

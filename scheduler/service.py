@@ -16,8 +16,17 @@ of the current timers of the tasks it owns, rebuilt with every restore, and fire
 sending ``RetryDue`` to ``inbox`` (``scheduler.timers``), which the decider turns into the attempt.
 
 Compensation attempts are agent requests like forward ones, to the compensation's agent, with the step's
-compensation idempotency key. Sensitive output fields are sealed on their way to ``events`` and opened
-when a partition is restored (``scheduler.sealing``); the agents get clear values, as their services need.
+compensation idempotency key.
+
+Sensitive data (``scheduler.sealing``): every task of a workflow that marks fields gets a data key, taken
+from its submission (which sealed the marked input fields with it) or made here, and written wrapped to the
+compacted ``keys`` topic in the transaction that accepts the task. Inputs stay sealed through the decider
+and into agent requests; output fields are sealed on their way to ``events`` and to later steps' agents,
+and opened when a partition is restored. Erasing a task writes the tombstone of its key: from then on
+nothing opens its values, and a restore leaves them sealed. After a master key rotation (a new key first
+in ``STEPSTREAM_ENCRYPTION_KEYS``) each partition's data keys still wrapped by an older key are rewrapped by
+the current one, a few with every batch the partition handles, in its transaction: the scheduler owning a
+partition is the only writer of its keys, so a rewrap can never revive a key erased meanwhile.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ from prometheus_client import Gauge
 
 from eventstore.errors import PoisonMessageError
 from eventstore.kafka_config import connection_config
+from eventstore.keys import read_keys
 from eventstore.producer import EventProducer
 from eventstore.replay import ReplayReader
 from eventstore.runtime import ConsumerRuntime, Record
@@ -51,10 +61,10 @@ from scheduler.decider import (
     same_timer,
 )
 from scheduler.quarantine import UNFOLDABLE, PartitionFold, Quarantine
-from scheduler.sealing import EventSealer
+from scheduler.sealing import EventSealer, open_input, seal_input
 from scheduler.timers import TimerQueue
 from scheduler.traces import record_spans
-from scheduler.workflow import WorkflowRegistry
+from scheduler.workflow import Step, WorkflowNotFoundError, WorkflowRegistry
 from schemas.codec import default_codec
 from schemas.messages import (
     AgentRequest,
@@ -78,15 +88,20 @@ from schemas.messages import (
     TaskCompensated,
     TaskCompensationFailed,
     TaskCompleted,
+    TaskDataErased,
     TaskFailed,
     TaskQuarantined,
     TaskRejected,
     TaskReleased,
 )
-from schemas.sealed import Keyring
+from schemas.sealed import Keyring, SealingError, TaskKey
 from schemas.states import FINAL, StepStatus, TaskStatus, step_progress
 
 log = structlog.get_logger("stepstream.scheduler")
+
+REWRAP_PER_COMMAND = 20
+"""Data keys rewrapped under the current master key with each command a partition handles: enough to
+rewrap a busy partition's keys in minutes, little enough not to be felt in a batch."""
 
 IN_FLIGHT = Gauge("stepstream_tasks_in_flight", "Non-terminal tasks owned by this scheduler", ["partition"])
 HELD = Gauge("stepstream_scheduler_tasks_held",
@@ -122,6 +137,8 @@ class Scheduler:
         # Checked before anything runs: sensitive workflows without a key never start.
         self.sealer = EventSealer(registry, keyring)
         self._tasks: dict[int, dict[str, TaskState]] = {}
+        self._keys: dict[int, dict[str, TaskKey]] = {}  # the data keys of the owned tasks that have one
+        self._stale: dict[int, list[str]] = {}  # per partition, tasks whose key an older master key wraps
         self._admin = AdminClient(connection_config(bootstrap))
         self._known_topics: set[str] = set()
         # Non-terminal tasks per partition, kept up to date as states change: admission control asks for
@@ -131,9 +148,9 @@ class Scheduler:
         self.timers = TimerQueue(self._fire, lambda: self._firings.flush(10.0), self._timer_is_current,
                                  stop or threading.Event())
         self._quarantined: dict[int, dict[str, Quarantine]] = {}
-        # What each task touched by the open transaction was before it (state, quarantine): an aborted batch
+        # What each task touched by the open transaction was before it (state, quarantine, data key): an aborted batch
         # puts back these tasks only, instead of folding every owned partition again.
-        self._batch: dict[tuple[int, str], tuple[TaskState | None, Quarantine | None]] = {}
+        self._batch: dict[tuple[int, str], tuple[TaskState | None, Quarantine | None, TaskKey | None]] = {}
         # Records read by the last restore of each partition: what a restore costs (logged, and benchmarked).
         self.restored_records: dict[int, int] = {}
         # Restores run on the runtime's preparing thread: a revocation (on the loop's thread) moves a partition's
@@ -151,15 +168,19 @@ class Scheduler:
         if not isinstance(command, (SubmitTask, StepResult, RecoverStep, OperatorCommand, AttemptAccepted, RetryDue)):
             raise PoisonMessageError(f"{type(command).__name__} is not a command the scheduler takes")
         tasks = self._tasks.setdefault(record.partition, {})
+        keys = self._keys.setdefault(record.partition, {})
         state = tasks.get(command.task_id)
         quarantine = self._quarantined.get(record.partition, {}).get(command.task_id)
-        self._batch.setdefault((record.partition, command.task_id), (state, quarantine))
+        self._batch.setdefault((record.partition, command.task_id), (state, quarantine, keys.get(command.task_id)))
         if quarantine is not None:
             self._release_or_refuse(quarantine, command, state, record.partition, output)
             return
         was_live = state is not None and not state.is_terminal
         before = state
+        new_key: TaskKey | None = None
         with span_for(command.task_id, f"scheduler {type(command).__name__}", record.headers):
+            if isinstance(command, SubmitTask):
+                command, new_key = self._under_task_key(command, state, keys.get(command.task_id))
             try:
                 decision = decide(command, state, registry=self.registry, now=datetime.now(UTC),
                                   in_flight=self.in_flight(record.partition), limits=self.limits)
@@ -174,10 +195,13 @@ class Scheduler:
                 raise PoisonMessageError(f"task quarantined: {exc}") from exc
             previous = before
             for event, after in decided:
-                output.send(self.layout.events, self.sealer.seal(event), partition=record.partition)
-                self._effects(event, after, command, output)
+                self._keep_key(event, new_key, keys, output, record.partition)
+                output.send(self.layout.events, self.sealer.seal(event, keys.get(event.task_id)),
+                            partition=record.partition)
+                self._effects(event, after, command, output, keys.get(event.task_id))
                 record_spans(event, previous)
                 previous = after
+            self._rewrap(record.partition, output)
         if state is not None:
             # A finished task leaves memory but for what a late command to it can still need.
             tasks[command.task_id] = state.settled() if state.status in FINAL else state
@@ -249,9 +273,69 @@ class Scheduler:
                     partition=partition)
         quarantine.next_sequence, quarantine.recorded = sequence + 2, True
 
-    def _effects(self, event: Event, state: TaskState, command: Message, output: EventProducer) -> None:
+    # -- data keys ------------------------------------------------------------------------------
+
+    def _under_task_key(self, command: SubmitTask, state: TaskState | None, known: TaskKey | None
+                        ) -> tuple[SubmitTask, TaskKey | None]:
+        """A submission with its marked input sealed under the task's data key, and the key a new task gets.
+
+        The key is the known task's (a repeat then seals to the very bytes it was accepted with, so the
+        decider tells a repeat from a contradiction by digest as for any task), else the submission's own,
+        else a new one: a submitter that sent a marked field in clear (an older client) does not get it
+        written in clear to ``events``. Nothing here opens what it does not reseal.
+        """
+        try:
+            workflow = self.registry.get(command.workflow, command.workflow_version if state is None
+                                         else state.workflow_version)
+        except WorkflowNotFoundError:
+            return command, None  # the decider dead-letters it
+        if not workflow.has_sensitive_data:
+            return command, None
+        if command.data_key is not None and self.sealer.keyring is not None:
+            try:
+                own: TaskKey | None = self.sealer.keyring.unwrap(command.data_key, command.task_id)
+            except SealingError as exc:
+                raise PoisonMessageError(f"submission of task {command.task_id}: {exc}") from None
+        else:
+            own = None
+        key = known or own or TaskKey.generate()
+        data = command.input
+        if own is not None and own != key:
+            data = open_input(workflow, command.task_id, data, own)
+        sealed = command.model_copy(update={"input": seal_input(workflow, command.task_id, data, key),
+                                            "data_key": None})
+        return sealed, None if known is not None else key
+
+    def _rewrap(self, partition: int, output: EventProducer) -> None:
+        """Rewrap a few of the partition's data keys that an older master key wraps (none once rotated)."""
+        stale = self._stale.get(partition)
+        keyring = self.sealer.keyring
+        if not stale or keyring is None:
+            return
+        keys = self._keys.get(partition, {})
+        for task_id in stale[-REWRAP_PER_COMMAND:]:
+            key = keys.get(task_id)
+            if key is not None:  # erased meanwhile: nothing to rewrap
+                output.send_raw(self.layout.keys, task_id, keyring.wrap(key, task_id).encode(), partition=partition)
+        del stale[-REWRAP_PER_COMMAND:]
+        if not stale:
+            log.info("data keys rewrapped under the current master key", partition=partition, key_id=keyring.current)
+
+    def _keep_key(self, event: Event, new_key: TaskKey | None, keys: dict[str, TaskKey], output: EventProducer,
+                  partition: int) -> None:
+        """Write a newly accepted task's data key to ``keys`` (wrapped), or an erased one's tombstone."""
+        if isinstance(event, TaskAccepted) and new_key is not None and self.sealer.keyring is not None:
+            keys[event.task_id] = new_key
+            wrapped = self.sealer.keyring.wrap(new_key, event.task_id)
+            output.send_raw(self.layout.keys, event.task_id, wrapped.encode(), partition=partition)
+        elif isinstance(event, TaskDataErased):
+            keys.pop(event.task_id, None)
+            output.send_raw(self.layout.keys, event.task_id, None, partition=partition)
+
+    def _effects(self, event: Event, state: TaskState, command: Message, output: EventProducer,
+                 key: TaskKey | None) -> None:
         if isinstance(event, StepStarted | StepCompensationStarted):
-            self._request(event, state, output)
+            self._request(event, state, output, key)
             return
         status = _STATUS_OF.get(type(event))
         reply_topic = self._reply_topic(state, command)
@@ -260,9 +344,11 @@ class Scheduler:
         detail = getattr(event, "step", None) or getattr(event, "reason", None)
         output.send(reply_topic, StatusUpdate(task_id=state.task_id, status=status, detail=detail))
 
-    def _request(self, event: StepStarted | StepCompensationStarted, state: TaskState, output: EventProducer) -> None:
+    def _request(self, event: StepStarted | StepCompensationStarted, state: TaskState, output: EventProducer,
+                 data_key: TaskKey | None) -> None:
         """The agent request an attempt's start calls for: the step's own agent, or its compensation's."""
-        step = self.registry.get(state.workflow, state.workflow_version).step(event.step)
+        workflow = self.registry.get(state.workflow, state.workflow_version)
+        step = workflow.step(event.step)
         forward_key = idempotency_key(state.task_id, step.name)
         undoes_key: str | None = None
         undoes_attempt: int | None = None
@@ -279,6 +365,8 @@ class Scheduler:
             # fence gets no such claim: its undo waits out the forward attempts instead (``not_before``).
             if step.compensation.fenced:
                 undoes_key, undoes_attempt = forward_key, state.steps[event.step_index].attempt
+        # Outputs of earlier steps are clear in memory: sealed again for the agent, which opens what it needs.
+        data = {**data, "steps": self.sealer.seal_outputs(workflow, state.task_id, data["steps"], data_key)}
         self._ensure_topic(TopicSpec(self.layout.agent(agent), self.layout.partitions))
         output.send(self.layout.agent(agent), AgentRequest(
             task_id=state.task_id, step=event.step, attempt=event.attempt, attempt_id=event.attempt_id,
@@ -286,6 +374,7 @@ class Scheduler:
             undoes_key=undoes_key, undoes_attempt=undoes_attempt, start_by=event.start_by, timeout_s=timeout_s,
             compensation=isinstance(event, StepCompensationStarted),
             not_before=event.not_before if isinstance(event, StepCompensationStarted) else None,
+            sealed_output=_marked_answer(step, isinstance(event, StepCompensationStarted)) if data_key else [],
         ), headers=headers_of(attempt_span(state.task_id, event.attempt_id)))
 
     def _reply_topic(self, state: TaskState, command: Message) -> str | None:
@@ -321,7 +410,8 @@ class Scheduler:
         """
         for tp in partitions:
             epoch = self._epochs.get(tp.partition, 0)
-            fold = PartitionFold(default_codec(), self.sealer.unseal)
+            keys, stale = self._restore_keys(tp.partition)
+            fold = PartitionFold(default_codec(), self.sealer.opener(keys))
             records = 0
             for partition, offset, key, value in ReplayReader(self.bootstrap, self.layout.events,
                                                               partitions=[tp.partition]).raw():
@@ -333,6 +423,7 @@ class Scheduler:
                     continue
                 self.restored_records[tp.partition] = records
                 tasks = self._tasks[tp.partition] = fold.tasks
+                self._keys[tp.partition], self._stale[tp.partition] = keys, stale
                 for state in tasks.values():
                     self.timers.arm(tp.partition, pending(state), state.task_id)
                 self._quarantined[tp.partition] = {}
@@ -347,11 +438,28 @@ class Scheduler:
                      in_flight=self.in_flight(tp.partition), events=records, quarantined=len(fold.quarantined),
                      unattributed=fold.unattributed)
 
+    def _restore_keys(self, partition: int) -> tuple[dict[str, TaskKey], list[str]]:
+        """The data keys of a partition's tasks, unwrapped (an erased task has none: its values stay sealed),
+        and the tasks whose key an older master key wraps."""
+        self._ensure_topic(self.layout.keys_spec())
+        wrapped = {task: value for task, value in read_keys(self.bootstrap, self.layout.keys, {}, [partition]).items()
+                   if value is not None}
+        if wrapped and self.sealer.keyring is None:
+            raise SealingError(f"{self.layout.keys} holds data keys but no encryption key is configured "
+                               "(STEPSTREAM_ENCRYPTION_KEYS)")
+        keyring = self.sealer.keyring
+        if keyring is None:
+            return {}, []
+        stale = sorted(task for task, value in wrapped.items() if keyring.wrapped_with(value) != keyring.current)
+        return {task: keyring.unwrap(value, task) for task, value in wrapped.items()}, stale
+
     def forget(self, partitions: list[TopicPartition]) -> None:
         with self._ownership:
             for tp in partitions:
                 self._epochs[tp.partition] = self._epochs.get(tp.partition, 0) + 1
                 self.timers.forget(set(self._tasks.pop(tp.partition, {})))
+                self._keys.pop(tp.partition, None)
+                self._stale.pop(tp.partition, None)
                 self._live.pop(tp.partition, None)
                 self._quarantined.pop(tp.partition, None)
                 for key in [key for key in self._batch if key[0] == tp.partition]:
@@ -364,10 +472,14 @@ class Scheduler:
     def recover_batch(self) -> None:
         """After an aborted transaction the tasks it touched ran ahead of the log: put them back as they were
         when it began. Every other task is as the log says, so nothing is read again."""
-        for (partition, task_id), (state, quarantine) in self._batch.items():
+        for (partition, task_id), (state, quarantine, key) in self._batch.items():
             tasks = self._tasks.get(partition)
             if tasks is None:
                 continue  # revoked meanwhile: its next owner restores it from the log
+            keys = self._keys.setdefault(partition, {})
+            keys.pop(task_id, None)  # a key the batch wrote (or erased) is as the log says: none, or the old one
+            if key is not None:
+                keys[task_id] = key
             ahead = tasks.pop(task_id, None)
             if state is not None:
                 tasks[task_id] = state
@@ -382,6 +494,14 @@ class Scheduler:
             QUARANTINED.labels(str(partition)).set(len(quarantined))
         log.info("aborted batch recovered", tasks=len(self._batch))
         self._batch.clear()
+
+
+def _marked_answer(step: Step, compensation: bool) -> list[str]:
+    """The fields of an attempt's answer its agent seals (``*``: all): the step's marking, or for its
+    compensation every field of a marked step, as ``scheduler.sealing`` seals them on ``events``."""
+    if compensation or step.sensitive_output is True:
+        return ["*"] if step.is_sensitive else []
+    return sorted(step.sensitive_output) if step.sensitive_output else []
 
 
 def build_scheduler(kafka: KafkaSettings, consumer: ConsumerSettings, registry: WorkflowRegistry,

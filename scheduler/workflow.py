@@ -161,7 +161,13 @@ class Workflow:
     ``after_backoff`` says. A permanent failure or a spent budget escalates at once: waiting cannot help.
     ``input_model``: the pydantic model a task's input must satisfy, checked on every way in (client, CLI,
     HTTP, outbox) before anything is produced, so a missing or mistyped field is refused naming it instead
-    of running the task with it; None accepts any JSON object."""
+    of running the task with it; None accepts any JSON object.
+    ``sensitive_input``: the top-level input fields that are sealed from submission on (a card token, a
+    national id): the client, CLI, HTTP API and outbox seal them before anything reaches Kafka, and only the
+    agents open them (``scheduler.sealing``). Like ``sensitive_output``, fixed once a version ran.
+    ``sensitive_retention_s``: how long the sensitive data of a task that completed or was compensated is
+    kept; then the supervisor erases it (its data key is deleted). None keeps it until an operator erases it.
+    A task in ``error`` or ``compensation_failed`` waits for an operator, who needs its data: not counted."""
 
     name: str
     version: int
@@ -172,6 +178,8 @@ class Workflow:
     long_backoff_s: float = 300.0
     backoff_rounds: int = 3
     after_backoff: Literal["error", "compensate"] = "error"
+    sensitive_input: frozenset[str] = frozenset()
+    sensitive_retention_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.version < 1:
@@ -185,6 +193,11 @@ class Workflow:
             raise ValueError(f"workflow {self.name}: failure_threshold must be at least 1")
         if self.long_backoff_s <= 0 or self.backoff_rounds < 0:
             raise ValueError(f"workflow {self.name}: long_backoff_s must be positive and backoff_rounds not negative")
+        if not all(isinstance(n, str) and n for n in self.sensitive_input):
+            raise ValueError(f"workflow {self.name}: sensitive_input names fields, each a non-empty string")
+        if self.sensitive_retention_s is not None and (self.sensitive_retention_s <= 0 or not self.has_sensitive_data):
+            raise ValueError(f"workflow {self.name}: sensitive_retention_s must be positive, on a workflow that "
+                             "marks sensitive data")
 
     def input_errors(self, data: Mapping[str, Any]) -> list[tuple[str, str]]:
         """(field path, message) of each way ``data`` fails the input model; empty when it satisfies it."""
@@ -213,7 +226,7 @@ class Workflow:
 
     @property
     def has_sensitive_data(self) -> bool:
-        return any(step.is_sensitive for step in self.steps)
+        return bool(self.sensitive_input) or any(step.is_sensitive for step in self.steps)
 
     @property
     def agents(self) -> frozenset[str]:

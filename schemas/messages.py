@@ -63,6 +63,8 @@ class TaskAccepted(Event):
     input_digest: str
     submitter: str | None = None
     reply_topic: str | None = None
+    retention_s: float | None = Field(default=None, description="its workflow version's sensitive_retention_s: "
+                                      "its data is erased that long after it completed or was compensated")
 
 
 class TaskRejected(Event):
@@ -351,6 +353,20 @@ class TaskReleased(Event):
     operator: str | None = None
 
 
+# ---- erasure -------------------------------------------------------------------------------------
+
+
+class TaskDataErased(Event):
+    """The task's data key was deleted (crypto-shredding): its sealed values open nowhere from now on.
+
+    ``operator`` is who ordered it: an operator's name, or ``retention`` when its workflow's retention for
+    sensitive data ran out.
+    """
+
+    command_id: str
+    operator: str | None = None
+
+
 # ---- commands on the inbox ----------------------------------------------------------------------
 
 
@@ -364,6 +380,8 @@ class SubmitTask(Message):
     input: JsonObject
     submitter: str | None = None
     reply_topic: str | None = None
+    data_key: str | None = Field(default=None, description="the task's data key, wrapped by a master key "
+                                 "(kid:base64): what the input's sealed fields were sealed with")
 
 
 class StepResult(Message):
@@ -433,16 +451,16 @@ class RecoverStep(Message):
     reason: str
 
 
-OperatorAction = Literal["resubmit", "compensate", "cancel", "retry-compensation", "try-now", "release"]
+OperatorAction = Literal["resubmit", "compensate", "cancel", "retry-compensation", "try-now", "release", "erase"]
 
 
 class OperatorCommand(Message):
     """An operator's intervention on one task. The same ``command_id`` again changes nothing.
 
     ``step`` names the step for ``resubmit`` and ``retry-compensation`` (default: the one that failed) and
-    ``try-now`` (default: the one waiting); ``compensate``, ``cancel`` and ``release`` (of a quarantined task)
-    act on the whole task. The outcome is an event naming ``command_id``: ``OperatorCommandRefused``, or the
-    transition it caused.
+    ``try-now`` (default: the one waiting); ``compensate``, ``cancel``, ``release`` (of a quarantined task)
+    and ``erase`` (shred an ended task's data key) act on the whole task. The outcome is an event naming
+    ``command_id``: ``OperatorCommandRefused``, or the transition it caused.
     """
 
     kind: ClassVar[str] = "command"
@@ -483,6 +501,8 @@ class AgentRequest(Message):
     compensation: bool = Field(default=False, description="the attempt is a compensation attempt")
     not_before: Timestamp | None = Field(default=None, description="a compensation's only: take it (acknowledge "
                                                                    "and call) no earlier than this")
+    sealed_output: list[str] = Field(default_factory=list, description="output fields the agent seals with the "
+                                     "task's data key before answering ('*': every field)")
 
     def work_deadline(self, accepted_at: datetime) -> datetime:
         """When the attempt's work must end if an agent takes the request at ``accepted_at``: the same
@@ -533,4 +553,5 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     RetryDue,
     TaskQuarantined,
     TaskReleased,
+    TaskDataErased,
 )

@@ -9,6 +9,15 @@ passing for that task's data.
 Keys come from ``STEPSTREAM_ENCRYPTION_KEYS="kid1:base64key,kid0:oldkey"``. The first key seals; every
 key listed unseals what was sealed with it, so rotation is: put a new key first, keep the old ones for as
 long as the log holds values sealed with them. The setting is a secret: it is never logged or printed.
+
+Envelope encryption: a task's values are sealed with its own data key (``TaskKey``, AES-256-SIV), and
+only that data key is encrypted with the configured master keys (``Keyring.wrap``). Deleting a task's
+wrapped data key (crypto-shredding) makes every copy of its sealed values, in every topic, store or backup,
+unreadable at once, while the log itself is never rewritten; rotating a master key rewraps the data keys
+and leaves the sealed values alone. A value sealed with a task key is ``{"$sealed": "@task:<base64>"}``
+("@" cannot start a master key id). AES-SIV is deterministic: the same value sealed again for the same
+task and place gives the same bytes, so a repeated submission keeps the digest that tells it from a
+contradiction; it reveals no more than "these two values of one task's field are equal".
 """
 
 from __future__ import annotations
@@ -17,15 +26,19 @@ import base64
 import binascii
 import os
 import re
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import orjson
 from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM, AESSIV
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 SEALED = "$sealed"
+TASK_KEY_ID = "@task"
+"""The key id of values sealed with their task's own data key."""
 _NONCE_BYTES = 12
 _KEY_ID = re.compile(r"^[A-Za-z0-9_.-]{1,32}$")
 
@@ -36,6 +49,44 @@ class SealingError(Exception):
 
 def is_sealed(value: Any) -> bool:
     return isinstance(value, dict) and len(value) == 1 and isinstance(value.get(SEALED), str)
+
+
+def sealed_with_task_key(value: Any) -> bool:
+    return is_sealed(value) and str(value[SEALED]).startswith(TASK_KEY_ID + ":")
+
+
+class TaskKey:
+    """One task's data key: seals and opens that task's values (AES-256-SIV, deterministic)."""
+
+    SIZE = 64  # AES-SIV takes two AES-256 keys
+
+    def __init__(self, key: bytes) -> None:
+        if len(key) != self.SIZE:
+            raise SealingError(f"a task data key is {self.SIZE} bytes, not {len(key)}")
+        self.key = key
+        self._cipher = AESSIV(key)
+
+    @classmethod
+    def generate(cls) -> TaskKey:
+        return cls(AESSIV.generate_key(bit_length=cls.SIZE * 8))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, TaskKey) and other.key == self.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def seal(self, value: Any, where: tuple[str, ...]) -> dict[str, str]:
+        """``value`` (any JSON value) sealed for ``where`` (task id first); the same bytes every time."""
+        sealed = self._cipher.encrypt(orjson.dumps(value), [_associated(where)])
+        return {SEALED: f"{TASK_KEY_ID}:{base64.b64encode(sealed).decode()}"}
+
+    def unseal(self, envelope: dict[str, str], where: tuple[str, ...]) -> Any:
+        _, _, encoded = envelope[SEALED].partition(":")
+        try:
+            return orjson.loads(self._cipher.decrypt(base64.b64decode(encoded, validate=True), [_associated(where)]))
+        except (binascii.Error, InvalidTag, orjson.JSONDecodeError) as exc:
+            raise SealingError(f"sealed value for {'/'.join(where)} does not open with its task's key") from exc
 
 
 class Keyring:
@@ -80,9 +131,23 @@ class Keyring:
         sealed = self._ciphers[self.current].encrypt(nonce, orjson.dumps(value), _associated(where))
         return {SEALED: f"{self.current}:{base64.b64encode(nonce + sealed).decode()}"}
 
+    def wrap(self, key: TaskKey, task_id: str) -> str:
+        """``key`` encrypted with the current master key, bound to its task: ``kid:base64``."""
+        return self.seal(base64.b64encode(key.key).decode(), (task_id, "data-key"))[SEALED]
+
+    def unwrap(self, wrapped: str, task_id: str) -> TaskKey:
+        """The data key ``wrapped`` holds; SealingError naming the master key id when it does not open."""
+        return TaskKey(base64.b64decode(self.unseal({SEALED: wrapped}, (task_id, "data-key"))))
+
+    def wrapped_with(self, wrapped: str) -> str:
+        """The id of the master key that wrapped ``wrapped`` (rotation rewraps the others)."""
+        return wrapped.partition(":")[0]
+
     def unseal(self, envelope: dict[str, str], where: tuple[str, ...]) -> Any:
         """The value sealed in ``envelope`` for ``where``; raises SealingError if it does not open."""
         kid, _, encoded = envelope[SEALED].partition(":")
+        if kid == TASK_KEY_ID:
+            raise SealingError(f"value for {'/'.join(where)} is sealed with its task's data key, not a master key")
         cipher = self._ciphers.get(kid)
         if cipher is None:
             raise SealingError(f"value sealed with key {kid!r}, which is not configured "
@@ -94,8 +159,84 @@ class Keyring:
             raise SealingError(f"sealed value for {'/'.join(where)} does not open with key {kid!r}") from exc
 
 
+def input_place(task_id: str, name: str) -> tuple[str, ...]:
+    """Where a task input's field is sealed for (the associated data binding it there)."""
+    return (task_id, "input", name)
+
+
+def output_place(task_id: str, step: str, name: str) -> tuple[str, ...]:
+    """Where a step output's field is sealed for."""
+    return (task_id, step, "output", name)
+
+
+def open_step_input(data: dict[str, Any], task_id: str, key_of: Callable[[], TaskKey | None]) -> dict[str, Any]:
+    """An agent request's input (``{"task": input, "steps": {step: output}}``) with the values sealed with
+    the task's key opened, each for the place it sits in. ``key_of`` is asked for the key once, at the first
+    sealed value (a request holding none costs no lookup); SealingError when it has none (the task's data
+    was erased) or the key does not open a value."""
+    found: list[TaskKey | None] = []
+
+    def opened(value: Any, where: tuple[str, ...]) -> Any:
+        if not sealed_with_task_key(value):
+            return value
+        if not found:
+            found.append(key_of())
+        key = found[0]
+        if key is None:
+            raise SealingError(f"task {task_id}: a sealed value at {'/'.join(where[1:])} and no data key "
+                               "(the task's data was erased)")
+        return key.unseal(value, where)
+
+    def fields(values: Any, place: Callable[[str], tuple[str, ...]]) -> Any:
+        if not isinstance(values, dict):
+            return values
+        return {name: opened(value, place(name)) for name, value in values.items()}
+
+    def output_of(step: str) -> Callable[[str], tuple[str, ...]]:
+        return lambda name: output_place(task_id, step, name)
+
+    opened_data = dict(data)
+    if "task" in data:
+        opened_data["task"] = fields(data["task"], lambda name: input_place(task_id, name))
+    steps = data.get("steps")
+    if isinstance(steps, dict):
+        opened_data["steps"] = {step: fields(output, output_of(step)) for step, output in steps.items()}
+    return opened_data
+
+
+def seal_fields(values: dict[str, Any], names: list[str], where: tuple[str, ...], key: TaskKey) -> dict[str, Any]:
+    """``values`` with the named fields (``*``: all) sealed with ``key`` for ``where`` + the field's name."""
+    chosen = set(values) if "*" in names else set(names)
+    return {name: key.seal(value, (*where, name)) if name in chosen and not is_sealed(value) else value
+            for name, value in values.items()}
+
+
 def _associated(where: tuple[str, ...]) -> bytes:
     return "\x00".join(where).encode()
+
+
+LOCAL_KEYS_FILE = "encryption-keys"
+
+
+def configured_keys(home: Path, *, create: bool = False) -> str | None:
+    """The master keys spec: ``STEPSTREAM_ENCRYPTION_KEYS``, else the development key of a local home
+    (``<home>/encryption-keys``, readable by its owner only), which ``stepstream up`` makes once (``create``)
+    so that a local system and the commands run beside it share one; None when neither exists. A
+    deployment sets the variable; the file is for local systems."""
+    configured = EncryptionSettings().encryption_keys.get_secret_value().strip()
+    if configured:
+        return configured
+    path = home / LOCAL_KEYS_FILE
+    if create and not path.exists():
+        home.mkdir(parents=True, exist_ok=True)
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(descriptor, "w") as out:
+            out.write(f"local1:{Keyring.generate_key()}\n")
+    if not path.exists():
+        return None
+    spec = path.read_text().strip()
+    Keyring.parse(spec)  # a damaged file stops here, naming the entry, never repeating a key
+    return spec
 
 
 class EncryptionSettings(BaseSettings):

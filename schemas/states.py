@@ -63,6 +63,12 @@ TERMINAL: frozenset[TaskStatus] = frozenset({
 })
 """Task statuses no agent result or recovery can leave: a terminal task only records ignored messages."""
 
+ERASABLE: frozenset[TaskStatus] = frozenset({
+    TaskStatus.COMPLETED, TaskStatus.ERROR, TaskStatus.COMPENSATED, TaskStatus.COMPENSATION_FAILED,
+})
+"""Task statuses whose data may be erased: ended, with nothing in flight that needs it. A task in ``error`` or
+``compensation_failed`` may be erased too, and is then left as it is: nothing can run or undo it any more."""
+
 FINAL: frozenset[TaskStatus] = frozenset({TaskStatus.COMPLETED, TaskStatus.COMPENSATED})
 """Terminal statuses nothing can leave. ``error`` and ``compensation_failed`` wait for an operator;
 ``rejected`` is left by a repeat of the same submission once admission control has room (a client told

@@ -13,6 +13,11 @@ Only the leader scans. It only requests (a ``RecoverStep`` naming the expired at
 decides, and a request naming an attempt that is no longer current changes nothing, so a duplicate
 request from a leader hand-over is harmless. It asks again for an attempt the projection still shows
 expired only after a back-off that doubles each time (:mod:`supervisor.asks`).
+
+The same scan applies retention: tasks whose workflow keeps sensitive data for a while after they
+completed or were compensated, and whose time is up (``erase_due_at`` in the store), get an ``erase``
+command from ``retention``. Its command id is the task's (``retention:<task id>``), so however often it is
+sent -- a lagging projection, a new leader -- the scheduler erases once.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from eventstore.producer import EventProducer
 from eventstore.settings import KafkaSettings
 from eventstore.topics import TopicLayout
 from projections.store import Store
-from schemas.messages import RecoverStep
+from schemas.messages import OperatorCommand, RecoverStep
 from supervisor.asks import RecoveryAsks
 from supervisor.settings import SupervisorSettings
 
@@ -41,6 +46,7 @@ log = structlog.get_logger("stepstream.supervisor")
 
 IS_LEADER = Gauge("stepstream_supervisor_leader", "1 while this supervisor holds the lease")
 RECOVERIES = Counter("stepstream_supervisor_recoveries_total", "Recovery commands sent")
+ERASURES = Counter("stepstream_supervisor_retention_erasures_total", "Erase commands sent for retention")
 
 
 class Supervisor:
@@ -57,6 +63,7 @@ class Supervisor:
         self.instance = uuid.uuid4().hex[:12]
         self._stop = stop_event or threading.Event()
         self._asks = RecoveryAsks(resend_after_s, resend_max_s)
+        self._erasures = RecoveryAsks(resend_after_s, resend_max_s)
         self._clock = clock
         self._producer = EventProducer(bootstrap)
         self._lease = Consumer({
@@ -117,6 +124,25 @@ class Supervisor:
         if sent:
             RECOVERIES.inc(sent)
             log.info("recovery requested", count=sent)
+        self.erase_due(now, clock)
+        return sent
+
+    def erase_due(self, now: datetime, clock: float) -> int:
+        """Ask the scheduler to erase each task whose retention ran out (a page per scan); the count sent."""
+        due = self.store.erase_due(now, limit=self.page_size)
+        sent = 0
+        for task_id in due:
+            if not self._erasures.due(task_id, clock):
+                continue
+            self._producer.send(self.layout.inbox, OperatorCommand(
+                task_id=task_id, command_id=f"retention:{task_id}", action="erase", operator="retention"))
+            self._erasures.asked(task_id, clock)
+            sent += 1
+        self._erasures.keep_only(set(due))
+        self._producer.flush()
+        if sent:
+            ERASURES.inc(sent)
+            log.info("retention erasure requested", count=sent)
         return sent
 
     def _on_assign(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:

@@ -1,7 +1,8 @@
 """``python -m tests.record_histories [--out FILE]``: record task histories of a real run into the repository.
 
 Starts a broker of its own (in a temporary folder), the order service and every service as a process, on
-the demo's workflows (``orders`` v1, which leaves a failed task in error, and v2, which compensates), and
+the demo's workflows (``orders`` v1, which leaves a failed task in error, v2, which compensates, v3, which waits
+between attempts, and v4, paid with a sealed card token), and
 drives tasks through what a live system meets: the forward path of each version, a repeated and a
 contradictory submission, compensation after a permanent refusal, an operator's compensate, resubmit,
 cancel (with the abandoned attempt's late answer), a refused command and a retried compensation, and an
@@ -36,9 +37,10 @@ from schemas.messages import Event, LateResultRecorded, MessageIgnored, Operator
 from tests.kafka_helpers import wait_for
 from tests.recorded import HISTORIES, RecordedTask, dump, state_document
 from tests.system import ROOT, System
+from tests.test_compensation_end_to_end import KEY
 
 COMPENSATION_AGENTS = ("inventory-release", "payments-refund", "shipping-cancel")
-V1, V2 = 1, 2
+V1, V2, V3, V4 = 1, 2, 3, 4
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,6 +79,7 @@ def _system(bootstrap: str, tmp: Path, service: ServiceProcess) -> System:
         "PYTHONUNBUFFERED": "1",
     }, tmp, service)
     system.env["STEPSTREAM_SCHEDULER_WORKFLOWS"] = "demo.workflows:REGISTRY"
+    system.env["STEPSTREAM_ENCRYPTION_KEYS"] = f"k1:{KEY}"  # the latest version marks a field
     return system
 
 
@@ -86,7 +89,7 @@ def record(system: System, out: Path) -> int:
     system.start()
     for name in COMPENSATION_AGENTS:
         system.procs.wait_started(name)
-    for scenario in (forward, compensation, operators, timeout_and_late_answer):
+    for scenario in (forward, compensation, operators, timeout_and_late_answer, waiting, paid_and_erased):
         scenario(system)
     events: dict[str, list[Event]] = {}
     values: dict[str, list[bytes]] = {}
@@ -172,6 +175,32 @@ def timeout_and_late_answer(system: System) -> None:
     finally:
         system.procs.signal("shipping", signal.SIGCONT)
     system.wait_terminal(["v2-timed-out"], timeout_s=120)
+
+
+def waiting(system: System) -> None:
+    """v3 waits between attempts: a charge throttled with a Retry-After longer than the attempt waits for its
+    timer (StepRetryScheduled, then RetryDue fires the next attempt); a second waits longer still, until an
+    operator's try-now brings its timer forward (RetryBroughtForward)."""
+    system.admin.set_faults("payments/charge", throttle_rate=1.0, retry_after_s=8)
+    system.submit("v3-waited", version=V3)
+    _until(lambda: _step_status(system, "v3-waited", "charge") == "waiting", system)
+    system.admin.clear_faults()
+    system.wait_terminal(["v3-waited"], timeout_s=120)
+    system.admin.set_faults("payments/charge", throttle_rate=1.0, retry_after_s=600)
+    system.submit("v3-tried-now", version=V3)
+    _until(lambda: _step_status(system, "v3-tried-now", "charge") == "waiting", system)
+    system.admin.clear_faults()
+    _operator(system, "try-now", "v3-tried-now")
+    system.wait_terminal(["v3-tried-now"], timeout_s=120)
+
+
+def paid_and_erased(system: System) -> None:
+    """v4 is paid with a card: its token sealed from submission on (the scheduler seals one sent in clear);
+    once the task completed, an operator erases its data (TaskDataErased, the data key tombstoned)."""
+    system.submit("v4-erased", {"order_id": "v4-erased", "sku": "A-1", "qty": 1, "amount": 10,
+                                "card_token": "tok_recorded_4242"}, version=V4)
+    system.wait_terminal(["v4-erased"], timeout_s=120)
+    _operator(system, "erase", "v4-erased")
 
 
 def _step_status(system: System, task_id: str, step: str) -> str | None:

@@ -15,7 +15,8 @@ MODULES = sorted(path.stem for path in (ROOT / "benchmarks").glob("*.py") if pat
 
 
 def test_every_benchmark_is_listed() -> None:
-    assert MODULES == ["agent_calls", "event_store", "replay", "restore", "scaling", "submit", "timers", "workflow"]
+    assert MODULES == ["agent_calls", "event_store", "replay", "restore", "scaling", "sealing", "submit", "timers",
+                       "workflow"]
 
 
 @pytest.mark.parametrize("module", MODULES)

@@ -13,11 +13,12 @@ from scheduler.sealing import EventSealer
 from scheduler.workflow import Compensation, Step, Workflow, WorkflowRegistry
 from schemas.codec import default_codec
 from schemas.messages import Event, StepCompensated, StepFailed, StepSucceeded, TaskCompleted
-from schemas.sealed import SEALED, EncryptionSettings, Keyring, SealingError, is_sealed
+from schemas.sealed import SEALED, EncryptionSettings, Keyring, SealingError, TaskKey, is_sealed
 
 KEY_NEW = base64.b64encode(bytes(range(32))).decode()
 KEY_OLD = base64.b64encode(bytes(range(100, 132))).decode()
 WHERE = ("t1", "charge", "output", "card")
+TASK_KEY = TaskKey(bytes(range(64)))
 NOW = datetime(2025, 1, 1, tzinfo=UTC)
 
 PAY = Workflow("pay", 1, (
@@ -121,41 +122,41 @@ def test_only_the_marked_fields_of_a_step_output_are_sealed_and_they_open_again(
     sealer = EventSealer(REGISTRY, keyring())
     event = make(StepSucceeded, step="charge", attempt_id="t1:charge:1", output={"card": "4111", "charge_id": "ch-1"},
                  calls=1)
-    sealed = sealer.seal(event)
+    sealed = sealer.seal(event, TASK_KEY)
     assert is_sealed(sealed.output["card"]) and sealed.output["charge_id"] == "ch-1"
     assert "4111" not in default_codec().encode(sealed).decode(errors="replace")
-    assert sealer.unseal(sealed) == event
+    assert sealer.unseal(sealed, TASK_KEY) == event
 
 
 def test_a_step_marked_wholly_sensitive_has_every_output_field_sealed() -> None:
     sealer = EventSealer(REGISTRY, keyring())
     event = make(StepSucceeded, step="vault", attempt_id="t1:vault:1", output={"a": 1, "b": "x"}, calls=1)
-    sealed = sealer.seal(event)
+    sealed = sealer.seal(event, TASK_KEY)
     assert all(is_sealed(v) for v in sealed.output.values())
-    assert sealer.unseal(sealed) == event
+    assert sealer.unseal(sealed, TASK_KEY) == event
 
 
 def test_a_completed_task_output_seals_each_step_entry_as_its_step_marks_it() -> None:
     sealer = EventSealer(REGISTRY, keyring())
     event = make(TaskCompleted, output={"reserve": {"reservation_id": "r-1"}, "charge": {"card": "4111", "id": "c"},
                                         "vault": {"token": "tok"}})
-    sealed = sealer.seal(event)
+    sealed = sealer.seal(event, TASK_KEY)
     assert sealed.output["reserve"] == {"reservation_id": "r-1"}
     assert is_sealed(sealed.output["charge"]["card"]) and sealed.output["charge"]["id"] == "c"
     assert is_sealed(sealed.output["vault"]["token"])
-    assert sealer.unseal(sealed) == event
+    assert sealer.unseal(sealed, TASK_KEY) == event
 
 
 def test_a_compensation_inherits_its_steps_marking_every_field_of_its_answer_is_sealed() -> None:
     sealer = EventSealer(REGISTRY, keyring())
     refund = make(StepCompensated, step="charge", attempt_id="t1:charge:undo:1",
                   output={"refunded": ["4111"], "status": "refunded"}, calls=1)
-    sealed = sealer.seal(refund)
+    sealed = sealer.seal(refund, TASK_KEY)
     assert all(is_sealed(v) for v in sealed.output.values())
-    assert sealer.unseal(sealed) == refund
+    assert sealer.unseal(sealed, TASK_KEY) == refund
     release = make(StepCompensated, step="reserve", attempt_id="t1:reserve:undo:1", output={"released": ["r-1"]},
                    calls=1)
-    assert sealer.seal(release) is release, "an unmarked step's compensation is written as it is"
+    assert sealer.seal(release, TASK_KEY) is release, "an unmarked step's compensation is written as it is"
 
 
 def test_events_without_marked_data_are_written_as_they_are() -> None:
@@ -163,21 +164,36 @@ def test_events_without_marked_data_are_written_as_they_are() -> None:
     failed = make(StepFailed, step="charge", attempt_id="t1:charge:1", error="e", permanent=True, calls=1,
                   failure_count=1)
     plain = make(StepSucceeded, step="reserve", attempt_id="t1:reserve:1", output={"reservation_id": "r"}, calls=1)
-    assert sealer.seal(failed) is failed and sealer.seal(plain) is plain
+    assert sealer.seal(failed, TASK_KEY) is failed and sealer.seal(plain, TASK_KEY) is plain
+
+
+def test_events_sealed_with_a_master_key_before_tasks_had_data_keys_still_open() -> None:
+    sealer = EventSealer(REGISTRY, keyring())
+    event = make(StepSucceeded, step="charge", attempt_id="t1:charge:1", output={"card": "4111"}, calls=1)
+    legacy = sealer.seal(event, None)
+    assert legacy.output["card"][SEALED].startswith("k2:")
+    assert sealer.unseal(legacy, TASK_KEY) == event
+
+
+def test_values_of_an_erased_task_stay_sealed_when_read_back() -> None:
+    sealer = EventSealer(REGISTRY, keyring())
+    event = make(StepSucceeded, step="charge", attempt_id="t1:charge:1", output={"card": "4111"}, calls=1)
+    sealed = sealer.seal(event, TASK_KEY)
+    assert sealer.unseal(sealed, None) == sealed
 
 
 def test_a_value_written_in_clear_before_its_field_was_marked_is_read_as_it_is() -> None:
     sealer = EventSealer(REGISTRY, keyring())
     event = make(StepSucceeded, step="charge", attempt_id="t1:charge:1", output={"card": "clear"}, calls=1)
-    assert sealer.unseal(event) == event
+    assert sealer.unseal(event, TASK_KEY) == event
 
 
 def test_workflows_marking_sensitive_data_refuse_to_run_without_a_key() -> None:
-    with pytest.raises(SealingError, match="pay v1 mark sensitive output but no encryption key"):
+    with pytest.raises(SealingError, match="pay v1 mark sensitive data but no encryption key"):
         EventSealer(REGISTRY, None)
     plain = WorkflowRegistry.of([Workflow("plain", 1, (Step("s", "a"),))])
     event = make(StepSucceeded, step="s", attempt_id="t1:s:1", output={"x": 1}, calls=1)
-    assert EventSealer(plain, None).seal(event) is event
+    assert EventSealer(plain, None).seal(event, None) is event
 
 
 def test_a_step_marking_names_at_least_one_field() -> None:

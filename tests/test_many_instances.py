@@ -24,7 +24,7 @@ from confluent_kafka.admin import AdminClient
 
 from eventstore.cluster import LocalCluster
 from eventstore.topics import TopicLayout, ensure_topics
-from scheduler.decider import TERMINAL
+from schemas.states import TERMINAL
 from tests.agreement import disagreements
 from tests.kafka_helpers import wait_for
 from tests.system import AGENTS, System

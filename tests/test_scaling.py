@@ -13,7 +13,7 @@ from collections import Counter
 
 import pytest
 
-from scheduler.decider import TERMINAL
+from schemas.states import TERMINAL
 from tests.agreement import disagreements
 from tests.kafka_helpers import wait_for
 from tests.system import System

@@ -53,7 +53,7 @@ def test_client_submit_of_an_unknown_workflow_or_version_raises_naming_the_field
         with pytest.raises(InvalidSubmission) as workflow:
             client.submit("ordres", {})
         with pytest.raises(InvalidSubmission) as version:
-            client.submit("orders", {}, version=3)
+            client.submit("orders", {}, version=99)
     assert (workflow.value.field, version.value.field) == ("workflow", "version")
     assert _nothing_on_inbox(system)
 

@@ -23,10 +23,10 @@ from schemas.messages import (
     StepRetryScheduled,
     StepStarted,
 )
+from tests.agreement import inconsistency, records_per_order
 from tests.kafka_helpers import wait_for
 from tests.system import System
 from tests.test_compensation_end_to_end import operator, saga, start
-from tests.test_undo_chaos import inconsistency, records_per_order
 
 __all__ = ["saga"]
 

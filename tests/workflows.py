@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from demo.workflows import OrderInput
+from demo.workflows import OrderInput, PaidOrderInput
 from scheduler.workflow import Backoff, Compensation, Step, Workflow, WorkflowRegistry
 
 # charge allows 4 s an attempt: three attempts outlast a dead agent's group session (6 s) plus a restart,
@@ -181,3 +181,13 @@ ORDERS_BACKOFF = Workflow(
 COMPENSATION_REGISTRY = WorkflowRegistry.of([ORDERS_V1, ORDERS_V2, ORDERS_COMP, ORDERS_HOLD, ORDERS_PATIENT,
                                              ORDERS_ONCE, ORDERS_CHAOS, ORDERS_COMP_QUICK_START, ORDERS_UNFENCED,
                                              ORDERS_WAITING, ORDERS_OUTAGE, ORDERS_BACKOFF])
+
+# ---- sensitive inputs (tests/test_sensitive_end_to_end.py) -----------------------------------------
+# The demo's paid order: ``card_token`` is sealed from submission on and opened by the agents only; charge's
+# output keeps its own marking, and a failed ship undoes what completed (the refund is given the sealed
+# values too). Run with an encryption key configured.
+ORDERS_CARD = Workflow(name="orders-card", version=1, steps=_compensated_order_steps(), failure_threshold=2,
+                       escalation="compensate", input_model=PaidOrderInput, sensitive_input=frozenset({"card_token"}))
+# The same, keeping a finished task's card data for 2 s only: then the supervisor erases it.
+ORDERS_CARD_BRIEF = replace(ORDERS_CARD, name="orders-card-brief", sensitive_retention_s=2.0)
+SENSITIVE_REGISTRY = WorkflowRegistry.of([ORDERS_V1, ORDERS_CARD, ORDERS_CARD_BRIEF])

@@ -59,7 +59,7 @@ def admit(command: SubmitTask, registry: WorkflowRegistry, now: datetime, in_fli
         reason = f"admission control: {in_flight} tasks in flight, the limit is {limits.max_in_flight}"
         builder.emit(TaskRejected, reason=reason, **submission)
         return builder.decision()
-    builder.emit(TaskAccepted, input=command.input, **submission)
+    builder.emit(TaskAccepted, input=command.input, retention_s=workflow.sensitive_retention_s, **submission)
     start_attempt(builder, workflow, 0)
     return builder.decision()
 

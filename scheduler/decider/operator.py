@@ -1,5 +1,6 @@
 """Operator commands: resubmit a failed step, retry a failed undo, compensate a task in error, cancel one,
-make a waiting step try now.
+make a waiting step try now, or erase an ended task's data (its data key is deleted: see
+``scheduler.sealing``).
 
 Each is checked against the task's state first; a refusal is recorded on the task where operators look,
 and a repeated command (same id) changes nothing.
@@ -20,8 +21,9 @@ from schemas.messages import (
     RetryBroughtForward,
     StepFailed,
     StepResubmitted,
+    TaskDataErased,
 )
-from schemas.states import StepStatus, TaskStatus
+from schemas.states import ERASABLE, StepStatus, TaskStatus
 
 
 def on_operator(builder: Builder, command: OperatorCommand, registry: WorkflowRegistry) -> Decision:
@@ -61,6 +63,8 @@ def on_operator(builder: Builder, command: OperatorCommand, registry: WorkflowRe
         case "compensate":
             begin_compensation(builder, workflow, "operator",
                                 f"compensation ordered by {who} (command {command.command_id})", command=command)
+        case "erase":
+            builder.emit(TaskDataErased, command_id=command.command_id, operator=command.operator)
         case "cancel":
             if state.current_step is not None:
                 _abandon(builder, command)
@@ -97,6 +101,16 @@ def _check_operator(state: TaskState, command: OperatorCommand) -> tuple[str | N
     if action == "release":
         # A quarantined task's commands never reach the decider: the scheduler releases it or dead-letters them.
         return f"task is {status}: it is not quarantined", None
+    if state.erased:
+        return (f"task data erased: its input and outputs open nowhere, so {action} cannot run or undo anything"
+                if action != "erase" else "task data already erased"), None
+    if action == "erase":
+        if command.step is not None:
+            return "erase acts on the whole task: it takes no step", None
+        if status not in ERASABLE:
+            return (f"task is {status}{doing}: only an ended task's data can be erased "
+                    "(cancel a running task first)"), None
+        return None, None
     if action in ("compensate", "cancel"):
         if command.step is not None:
             return f"{action} acts on the whole task: it takes no step", None

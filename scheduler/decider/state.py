@@ -135,6 +135,7 @@ class TaskState:
 
     A rejected task keeps the digest and addressee of its submission but not its input (``{}``): that is
     enough to tell a repeat from a contradiction, without storing payloads that were never admitted.
+    ``erased``: the task's data key was deleted; its sealed values stay in the state as they are, opaque.
     ``current_step`` is the step with an attempt in progress, forward or compensating. ``commands`` are
     the operator command ids already answered, so a repeated command changes nothing.
     """
@@ -151,6 +152,7 @@ class TaskState:
     steps: tuple[StepState, ...]
     current_step: int | None
     commands: frozenset[str] = frozenset()
+    erased: bool = False
 
     @property
     def is_terminal(self) -> bool:

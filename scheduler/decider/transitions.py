@@ -34,12 +34,13 @@ from schemas.messages import (
     TaskCompensated,
     TaskCompensationFailed,
     TaskCompleted,
+    TaskDataErased,
     TaskFailed,
     TaskQuarantined,
     TaskRejected,
     TaskReleased,
 )
-from schemas.states import StepStatus, TaskStatus
+from schemas.states import ERASABLE, StepStatus, TaskStatus
 
 _RECORDS = (MessageIgnored, LateResultRecorded, OperatorAlert, OperatorCommandRefused, TaskQuarantined, TaskReleased)
 """Events that record something for operators and change nothing but the sequence (and seen commands).
@@ -75,6 +76,7 @@ _ALLOWED_FROM: dict[type[Event], frozenset[TaskStatus]] = {
     CompensationRetried: frozenset({TaskStatus.COMPENSATION_FAILED}),
     StepRetryScheduled: frozenset({TaskStatus.RUNNING, TaskStatus.COMPENSATING}),
     RetryBroughtForward: frozenset({TaskStatus.RUNNING, TaskStatus.COMPENSATING}),
+    TaskDataErased: ERASABLE,
 }
 """The task statuses each transition may follow; operator transitions are the only way out of a terminal one."""
 
@@ -181,6 +183,10 @@ def evolve(state: TaskState | None, event: Event) -> TaskState:
             step = state.steps[index]
             fresh = replace(step, compensation=replace(step.compensation, failure_count=0, calls_used=0))
             return replace(_with_step(state, event, index, fresh), status=TaskStatus.COMPENSATING)
+        case TaskDataErased():
+            if state.erased:
+                raise InvalidTransition(f"task {state.task_id!r} was already erased")
+            return replace(state, erased=True, sequence=event.sequence)
     raise InvalidTransition(f"{type(event).__name__} is not an event of the task state machine")
 
 

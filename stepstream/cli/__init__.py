@@ -16,6 +16,7 @@ from confluent_kafka import KafkaException
 
 from eventstore.errors import KafkaUnreachable, StepstreamError
 from eventstore.kafka_config import kafka_reason
+from schemas.sealed import SealingError
 from stepstream.cli import broker, demo, dlq, operator, outbox, projections, run, serve, tasks
 
 EXIT_UNAVAILABLE = 69  # sysexits' EX_UNAVAILABLE: the Kafka cluster did not answer
@@ -43,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KafkaUnreachable as exc:
         print(f"stepstream: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE
-    except StepstreamError as exc:
+    except (StepstreamError, SealingError) as exc:  # a missing or wrong encryption key too: one line, no key
         print(f"stepstream: {exc}", file=sys.stderr)
         return 1
     except KafkaException as exc:  # a broker lost mid-command: its reason, not a librdkafka traceback

@@ -1,4 +1,5 @@
-"""``stepstream task resubmit|compensate|cancel|retry-compensation|release TASK_ID``: operators intervene.
+"""``stepstream task resubmit|compensate|cancel|retry-compensation|try-now|release|erase TASK_ID``: operators
+intervene on a task.
 
 Each sub-command produces one ``OperatorCommand`` on ``inbox``, keyed by the task, under a command id the
 operator may choose (``--command-id``): the scheduler answers a command id once, so a command sent again
@@ -15,6 +16,8 @@ the reason. With ``--wait`` this command reads ``events`` until that outcome app
 - ``release``: let a ``quarantined`` task (its history did not fold) go on, once a scheduler version that
   folds it runs. Under a version that still cannot, the command is dead-lettered with the reason (and
   ``--wait`` times out).
+- ``erase``: delete an ended task's data key (crypto-shredding): its sealed values open nowhere after, in
+  any topic or store; the task can then be neither resubmitted nor compensated.
 
 Exit codes: 0 sent (with ``--wait``: accepted), 3 no such task (nothing is sent), 6 refused, 124 ``--wait``
 timed out.
@@ -41,6 +44,7 @@ _ACTIONS: dict[OperatorAction, str] = {
     "retry-compensation": "retry the failed compensation of a task in compensation_failed",
     "try-now": "start the next attempt of a waiting step now instead of at its retry time",
     "release": "let a quarantined task go on, once a scheduler that folds its history runs",
+    "erase": "delete an ended task's data key: its sealed input and outputs open nowhere after",
 }
 _TAKES_STEP: frozenset[OperatorAction] = frozenset({"resubmit", "retry-compensation", "try-now"})
 

@@ -11,10 +11,15 @@ timeout, a crash between a database write and the submit) runs it once.
 
 Beside it in this package: ``outcomes`` (the scheduler's answer to an operator command, read from ``events``)
 and ``outbox`` (submitting in the same transaction as an application's own PostgreSQL write).
+The input fields a workflow marks sensitive are sealed here, before anything is produced
+(``SubmissionKeys``): the client knows which fields they are from the same registry it validates against,
+and holds the master keys (``STEPSTREAM_ENCRYPTION_KEYS``) to wrap the task's data key. Without a key it
+refuses to start rather than write them in clear.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from collections.abc import Iterator
@@ -28,17 +33,20 @@ from pydantic import ValidationError
 
 from eventstore.errors import StepstreamError
 from eventstore.kafka_config import connection_config, consume_available
+from eventstore.keys import DataKeys
 from eventstore.producer import EventProducer
 from eventstore.settings import KafkaSettings
 from eventstore.topics import TopicLayout, TopicSpec, ensure_topics
 from projections.settings import StoreSettings
 from projections.store import SqliteStore, Store
 from scheduler.decider import input_digest
+from scheduler.sealing import SubmissionSealer
 from scheduler.settings import SchedulerSettings
 from scheduler.workflow import WorkflowNotFoundError, WorkflowRegistry
 from schemas.codec import default_codec
 from schemas.errors import DecodeError
 from schemas.messages import OperatorAction, OperatorCommand, StatusUpdate, SubmitTask, new_id
+from schemas.sealed import Keyring, configured_keys
 from schemas.states import TERMINAL, TaskStatus
 
 
@@ -71,15 +79,40 @@ class TaskWaitTimeout(StepstreamError, TimeoutError):
     """The task did not reach a terminal state in time; it may still finish."""
 
 
+class SubmissionKeys:
+    """Seals the marked input fields of a submission before it is produced: a new task under a new data key,
+    a task the store already knows under its own (read from ``keys``), so that a repeat seals to the bytes
+    the task was accepted with and is told from a contradiction as any repeat is."""
+
+    def __init__(self, registry: WorkflowRegistry, keyring: Keyring | None, *, bootstrap: str,
+                 layout: TopicLayout) -> None:
+        self.sealer = SubmissionSealer(registry, keyring)
+        self._keys = DataKeys(bootstrap, layout.keys)
+
+    def seal(self, command: SubmitTask, known: bool) -> SubmitTask:
+        """``command`` sealed; ``known``: the state store has a task with this id."""
+        if not self.sealer.needs_key(command):
+            return command
+        wrapped = self._keys.wrapped(command.task_id) if known else None
+        keyring = self.sealer.keyring
+        key = keyring.unwrap(wrapped, command.task_id) if wrapped is not None and keyring is not None else None
+        return self.sealer.seal(command, key)
+
+
 class Client:
-    """One producer and, if a submitter name is given, that submitter's private reply topic."""
+    """One producer and, if a submitter name is given, that submitter's private reply topic.
+
+    ``keyring`` (default: ``STEPSTREAM_ENCRYPTION_KEYS``, else the local home's key that ``stepstream up``
+    made) seals the input fields the workflows mark."""
 
     def __init__(self, *, kafka: KafkaSettings | None = None, submitter: str | None = None,
-                 store_path: Path | None = None, registry: WorkflowRegistry | None = None) -> None:
+                 store_path: Path | None = None, registry: WorkflowRegistry | None = None,
+                 keyring: Keyring | None = None) -> None:
         self.kafka = kafka or KafkaSettings()
         self.registry = registry or SchedulerSettings().load_registry()
         self.layout = TopicLayout.from_settings(self.kafka)
         self.bootstrap = self.kafka.reachable_bootstrap()
+        self._keyring = keyring
         self.submitter = submitter
         self.store_path = store_path
         self._producer = EventProducer(self.bootstrap)
@@ -94,6 +127,15 @@ class Client:
             ensure_topics(AdminClient(connection_config(self.bootstrap)),
                           [TopicSpec(self.reply_topic, self.layout.partitions)], self.kafka.replication_factor)
 
+    @functools.cached_property
+    def sealing(self) -> SubmissionKeys:
+        """Made at the first submission: a client that only reads, sends operator commands or submits to
+        unmarked workflows needs no key; a submission to a marked one without a key raises SealingError
+        before anything is produced."""
+        spec = configured_keys(self.kafka.home)
+        return SubmissionKeys(self.registry, self._keyring or (Keyring.parse(spec) if spec else None),
+                              bootstrap=self.bootstrap, layout=self.layout)
+
     @property
     def reply_topic(self) -> str:
         if self.submitter is None:
@@ -106,6 +148,7 @@ class Client:
         command = build_submission(workflow, input, version=version, task_id=task_id, submitter=self.submitter,
                                    reply_topic=self.reply_topic if self.submitter else None)
         known = self.status(command.task_id) if task_id is not None else None
+        command = self.sealing.seal(command, known is not None)
         if known is not None and self._store is not None and \
                 not same_submission(self._store, known, workflow, version, command.input):
             raise SubmissionContradicts(f"task {command.task_id!r} exists with other data ({known['workflow']} "

@@ -44,10 +44,12 @@ from eventstore.errors import InfrastructureError, StepstreamError
 from eventstore.health import HEALTH
 from eventstore.producer import EventProducer
 from projections.settings import StoreSettings, StoreSpec
+from scheduler.sealing import SubmissionSealer
 from scheduler.settings import SchedulerSettings
 from scheduler.workflow import WorkflowRegistry
 from schemas.codec import Codec, default_codec
 from schemas.messages import SubmitTask
+from schemas.sealed import EncryptionSettings, Keyring, SealingError
 from stepstream.client import InvalidSubmission, check_submission
 
 log = structlog.get_logger("stepstream.outbox")
@@ -175,7 +177,7 @@ def _codec() -> Codec:
 
 
 def enqueue(conn: psycopg.Connection[Any], submission: SubmitTask, *, schema: str = DEFAULT_SCHEMA,
-            registry: WorkflowRegistry | None = None) -> int:
+            registry: WorkflowRegistry | None = None, keyring: Keyring | None = None) -> int:
     """Add ``submission`` to the outbox on the application's connection, in its open transaction.
 
     Call it on the connection (and in the transaction) of the business write, so both commit or neither
@@ -185,14 +187,23 @@ def enqueue(conn: psycopg.Connection[Any], submission: SubmitTask, *, schema: st
     and input are checked against ``registry`` (default: the one ``STEPSTREAM_SCHEDULER_WORKFLOWS`` names)
     as the client checks them: a bad one is refused here, in the application's transaction, rather than
     dead-lettered after it committed.
+
+    The input fields the workflow marks sensitive are sealed before the row is written, with a new data key
+    wrapped by ``keyring`` (default: ``STEPSTREAM_ENCRYPTION_KEYS``), so neither the outbox table nor
+    ``inbox`` ever holds them in clear; a retried transaction seals under another key, and the scheduler
+    reseals a repeat under the task's own before comparing. No key for a marked workflow: OutboxError.
     """
     if not isinstance(submission, SubmitTask):
         raise InvalidOutboxInput("submission", f"must be a SubmitTask, not {type(submission).__name__}")
+    registry = registry or SchedulerSettings().load_registry()
     try:
-        check_submission(registry or SchedulerSettings().load_registry(), submission.workflow,
-                         submission.workflow_version, submission.input)
+        check_submission(registry, submission.workflow, submission.workflow_version, submission.input)
     except InvalidSubmission as exc:
         raise InvalidOutboxInput(exc.field, exc.reason) from None
+    try:
+        submission = SubmissionSealer(registry, keyring or EncryptionSettings().keyring()).seal(submission)
+    except SealingError as exc:
+        raise OutboxError(f"task {submission.task_id} not enqueued: {exc}") from None
     table = _table(schema)
     if conn.autocommit and conn.info.transaction_status == pq.TransactionStatus.IDLE:
         raise OutboxError("enqueue needs the application's transaction: call it inside conn.transaction() "

@@ -19,6 +19,7 @@ from schemas.messages import (
     OperatorCommandRefused,
     RetryBroughtForward,
     StepResubmitted,
+    TaskDataErased,
     TaskReleased,
 )
 
@@ -43,6 +44,8 @@ class Outcome:
                 return cls("accepted", f"step {event.step!r} tries now")
             case TaskReleased():
                 return cls("accepted", f"released from quarantine ({event.status})")
+            case TaskDataErased():
+                return cls("accepted", "task data erased: its data key is deleted")
             case CompensationStarted():
                 plan = ", ".join(event.steps) if event.steps else "nothing to undo"
                 return cls("accepted", f"compensating ({event.trigger}): {plan}")

@@ -108,9 +108,11 @@ def _task_writer(kafka: KafkaSettings, layout: TopicLayout, store: Store, lag: L
                  settings: ApiSettings) -> TaskWriter:
     """The write side, checking submissions against the workflows the scheduler runs (same setting)."""
     from scheduler.settings import SchedulerSettings
+    from schemas.sealed import EncryptionSettings
     from stepstream.http.admission import GlobalAdmission
     from stepstream.http.writer import TaskWriter
 
     admission = GlobalAdmission(store, lag, layout, settings.max_in_flight, settings.admission_refresh_s)
     return TaskWriter(bootstrap=kafka.resolved_bootstrap(), layout=layout, store=store,
-                      registry=SchedulerSettings().load_registry(), admission=admission, settings=settings)
+                      registry=SchedulerSettings().load_registry(), admission=admission, settings=settings,
+                      keyring=EncryptionSettings().keyring())

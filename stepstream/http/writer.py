@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse
 from eventstore.kafka_config import producer_config
 from eventstore.topics import TopicLayout
 from projections.store import Store
+from scheduler.sealing import require_keyring
 from scheduler.workflow import WorkflowRegistry
 from schemas.codec import default_codec
 from schemas.messages import (
@@ -39,8 +40,15 @@ from schemas.messages import (
     TaskRejected,
     new_id,
 )
+from schemas.sealed import Keyring
 from schemas.states import TaskStatus
-from stepstream.client import InvalidSubmission, build_submission, check_submission, same_submission
+from stepstream.client import (
+    InvalidSubmission,
+    SubmissionKeys,
+    build_submission,
+    check_submission,
+    same_submission,
+)
 from stepstream.client.outcomes import Outcome
 from stepstream.http.admission import GlobalAdmission
 from stepstream.http.bodies import CommandRequest, SubmissionRequest
@@ -78,8 +86,12 @@ class TaskWriter:
     """Produces submissions and operator commands and waits for the scheduler's answer to each."""
 
     def __init__(self, *, bootstrap: str, layout: TopicLayout, store: Store, registry: WorkflowRegistry,
-                 admission: GlobalAdmission, settings: ApiSettings) -> None:
+                 admission: GlobalAdmission, settings: ApiSettings, keyring: Keyring | None = None) -> None:
         self.layout = layout
+        # Marked input fields are sealed here, before the submission is produced: an API whose workflows mark
+        # any refuses to start without a key, rather than answer each such submission with an error.
+        self.sealing = SubmissionKeys(registry, require_keyring(registry, keyring), bootstrap=bootstrap,
+                                      layout=layout)
         self.store = store
         self.registry = registry
         self.admission = admission
@@ -121,6 +133,8 @@ class TaskWriter:
                                        reply_topic=self.layout.status(holder))
         except InvalidSubmission as exc:
             raise _invalid(exc.field, exc.reason, None) from None
+        submitted = command
+        command = self.sealing.seal(submitted, self.store.task(command.task_id) is not None)
         known = self._known_task(command, request.version)
         if known is not None:
             return known
@@ -144,8 +158,10 @@ class TaskWriter:
             case OperatorAlert(reason=reason):
                 self.admission.release(command.task_id)
                 return Answer(409, {"task_id": command.task_id, "detail": reason})
-        # No event: still deciding, or a repeat the scheduler ignored (the store may show the task by now).
-        return self._known_task(command, request.version) or Answer(
+        # No event: still deciding, or a repeat the scheduler ignored (the store may show the task by now; its
+        # marked fields are then compared sealed under the task's own key, as the scheduler compared them).
+        return self._known_task(self.sealing.seal(submitted, self.store.task(command.task_id) is not None),
+                                request.version) or Answer(
             202, {"task_id": command.task_id, "status": "submitted", "location": f"/api/tasks/{command.task_id}",
                   "detail": "on the log; the scheduler has not answered yet: follow the task at its location"},
             self._location(command.task_id))

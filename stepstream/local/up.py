@@ -32,6 +32,7 @@ from eventstore.settings import ConsumerSettings, KafkaSettings, ObservabilitySe
 from eventstore.shutdown import GracefulShutdown
 from eventstore.topics import TopicLayout, ensure_topics
 from scheduler.settings import SchedulerSettings
+from schemas.sealed import configured_keys
 from stepstream.http.settings import ApiSettings
 from stepstream.local.processes import ServiceProcesses, child_env
 from stepstream.local.restarts import RestartPolicy, RestartSettings
@@ -94,7 +95,8 @@ def run_up(service_port: int | None = None) -> int:
     service = ServiceProcess(port=service_port, state_file=home / "orders-service.json",
                              log_path=logs / "orders-service.log").start()
     procs = ServiceProcesses(child_env(STEPSTREAM_BOOTSTRAP_SERVERS=bootstrap, STEPSTREAM_HOME=str(home),
-                                       STEPSTREAM_AGENT_SERVICE_URL=service.base_url), logs)
+                                       STEPSTREAM_AGENT_SERVICE_URL=service.base_url,
+                                       STEPSTREAM_ENCRYPTION_KEYS=configured_keys(home, create=True) or ""), logs)
     names = [*services, "api"]
     gave_up: str | None = None
     try:

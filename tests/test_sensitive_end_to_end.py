@@ -1,0 +1,267 @@
+"""Sensitive inputs on a real system (broker, order service, every service a process, PostgreSQL for the
+outbox): a card token submitted every way in is nowhere in clear -- no topic's raw bytes, no state store
+table, no outbox row, no dead letter, no service log, no metric -- while the payment service charges it;
+erasing a task shreds its data key; rotating the master key keeps old tasks readable."""
+
+from __future__ import annotations
+
+import base64
+import sqlite3
+from collections.abc import Iterator
+from typing import Any
+
+import orjson
+import psycopg
+import pytest
+from confluent_kafka.admin import AdminClient
+
+from eventstore.keys import read_keys
+from eventstore.producer import EventProducer
+from eventstore.replay import LogRange
+from eventstore.settings import KafkaSettings
+from scheduler.sealing import SubmissionSealer
+from schemas.messages import OperatorAlert, StepSucceeded, SubmitTask, TaskAccepted, TaskDataErased
+from schemas.sealed import Keyring, SealingError, input_place, is_sealed
+from stepstream.client import Client, SubmissionContradicts, outbox
+from stepstream.client.outbox import OutboxRelay, OutboxSettings
+from tests.kafka_helpers import wait_for
+from tests.system import System
+from tests.workflows import SENSITIVE_REGISTRY
+
+pytestmark = pytest.mark.kafka
+
+K1 = f"k1:{base64.b64encode(bytes(range(7, 39))).decode()}"
+K2 = f"k2:{base64.b64encode(bytes(range(50, 82))).decode()}"
+TOKEN = "shop-secret"
+
+
+@pytest.fixture
+def card_system(system: System) -> System:
+    """The system on the paid-order workflow with master key k1; nothing started."""
+    system.env.update({"STEPSTREAM_SCHEDULER_WORKFLOWS": "tests.workflows:SENSITIVE_REGISTRY",
+                       "STEPSTREAM_ENCRYPTION_KEYS": K1,
+                       "STEPSTREAM_API_TOKENS": orjson.dumps({"shop": TOKEN}).decode()})
+    return system
+
+
+def start(system: System) -> None:
+    for name in ("inventory-release", "payments-refund", "shipping-cancel"):
+        system.procs.service(name, "agent", name)
+    system.start()
+    for name in ("inventory-release", "payments-refund", "shipping-cancel"):
+        system.procs.wait_started(name)
+
+
+def order(order_id: str) -> dict[str, Any]:
+    return {"order_id": order_id, "sku": "A-1", "qty": 1, "amount": 10, "card_token": f"tok_{order_id}_4242"}
+
+
+def client(system: System, keys: str = K1) -> Client:
+    kafka = KafkaSettings(bootstrap_servers=system.bootstrap, topic_prefix=system.layout.prefix,
+                          partitions=system.layout.partitions)
+    return Client(kafka=kafka, store_path=system.store_path, registry=SENSITIVE_REGISTRY, keyring=Keyring.parse(keys))
+
+
+def every_topic(system: System) -> Iterator[tuple[str, bytes]]:
+    """(topic, bytes) of each record's key, value and headers on every topic of the deployment, raw."""
+    topics = AdminClient({"bootstrap.servers": system.bootstrap}).list_topics(timeout=30).topics
+    for topic in sorted(t for t in topics if t.startswith(system.layout.prefix)):
+        for msg in LogRange(system.bootstrap, topic):
+            headers = b"".join(k.encode() + (v or b"") for k, v in msg.headers() or [])
+            yield topic, (msg.key() or b"") + (msg.value() or b"") + headers
+
+
+def store_tables(system: System) -> str:
+    """Every row of every table of the state store, as text."""
+    with sqlite3.connect(system.store_path) as db:
+        names = [r[0] for r in db.execute("select name from sqlite_master where type = 'table'")]
+        return "\n".join(f"{name}: {db.execute(f'select * from {name}').fetchall()}" for name in names)
+
+
+def service_logs(system: System) -> str:
+    return "".join(system.procs.log(name) for name in system.procs.procs)
+
+
+def charged_token(system: System, order_id: str) -> str | None:
+    charges = list(system.admin.records(order_id)["charges"].values())
+    return charges[0].get("card_token") if charges else None
+
+
+def test_a_card_token_submitted_every_way_in_is_charged_yet_it_and_the_marked_output_are_nowhere_in_clear(
+    card_system: System, postgres_url: str
+) -> None:
+    system = card_system
+    start(system)
+    http = system.start_api()
+    tokens = {task: order(task)["card_token"] for task in ("by-client", "by-cli", "by-http", "by-outbox")}
+
+    with client(system) as python:
+        python.submit("orders-card", order("by-client"), task_id="by-client")
+    cli = system.cli("submit", "orders-card", "--input", orjson.dumps(order("by-cli")).decode(), "--task-id", "by-cli")
+    assert cli.returncode == 0, cli.stderr
+    body = {"workflow": "orders-card", "input": order("by-http"), "task_id": "by-http"}
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    assert http.post("/api/tasks", json=body, headers=headers).status_code == 201
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        outbox.install(conn)
+        with conn.transaction():
+            outbox.enqueue(conn, SubmitTask(task_id="by-outbox", workflow="orders-card", input=order("by-outbox")),
+                           registry=SENSITIVE_REGISTRY, keyring=Keyring.parse(K1))
+        pending = str(conn.execute("select * from stepstream_outbox.outbox").fetchall())
+        assert "tok_by-outbox" not in pending, "the outbox row holds the token sealed"
+        with OutboxRelay(OutboxSettings(dsn=postgres_url), bootstrap=system.bootstrap,
+                         topic=system.layout.inbox) as relay:
+            assert relay.drain() == 1
+
+    assert system.wait_terminal(tokens, timeout_s=90) == dict.fromkeys(tokens, "completed")
+    for task, token in tokens.items():
+        assert charged_token(system, task) == token, "the payments agent opened it for the service"
+
+    # A repeat over HTTP seals under the task's own key and is known as the same submission; other data under
+    # the same id is a contradiction the client refuses, and one sent past it is dead-lettered, sealed.
+    assert http.post("/api/tasks", json=body, headers=headers).status_code == 200
+    with client(system) as python, pytest.raises(SubmissionContradicts):
+        python.submit("orders-card", {**order("by-client"), "card_token": "tok_other_9999"}, task_id="by-client")
+    contradiction = SubmissionSealer(SENSITIVE_REGISTRY, Keyring.parse(K1)).seal(SubmitTask(
+        task_id="by-cli", workflow="orders-card", input={**order("by-cli"), "card_token": "tok_other_9999"}))
+    producer = EventProducer(system.bootstrap)
+    producer.send(system.layout.inbox, contradiction)
+    producer.flush()
+    assert wait_for(lambda: any(isinstance(e, OperatorAlert) for e in system.events("by-cli")), timeout_s=30)
+    assert wait_for(lambda: any(t == system.layout.dlq for t, _ in every_topic(system)), timeout_s=30)
+    metrics = http.get("/metrics").text
+
+    # charge marks its charge id: sealed by the payments agent in its answer, so on inbox too.
+    charge_ids = [charge for task in tokens for charge in system.admin.records(task)["charges"]]
+    assert len(charge_ids) == len(tokens)
+    secrets = [*tokens.values(), "tok_other_9999", *charge_ids]
+    raw = list(every_topic(system))
+    seen = {topic for topic, _ in raw}
+    assert {system.layout.inbox, system.layout.events, system.layout.keys, system.layout.dlq,
+            system.layout.agent("payments")} <= seen
+    tables, logs = store_tables(system), service_logs(system)
+    for secret in secrets:
+        assert not [topic for topic, data in raw if secret.encode() in data], f"{secret} in clear on a topic"
+        assert secret not in tables, "nor in the state store"
+        assert secret not in logs, "nor in a service's log"
+        assert secret not in metrics, "nor in a metric"
+    accepted = next(e for e in system.events("by-http") if isinstance(e, TaskAccepted))
+    assert is_sealed(accepted.input["card_token"]) and accepted.input["order_id"] == "by-http"
+    http.close()
+
+
+def test_an_erased_task_opens_nowhere_shows_erased_after_a_rebuild_and_cannot_be_compensated(
+    card_system: System,
+) -> None:
+    system = card_system
+    start(system)
+    http = system.start_api()
+    with client(system) as python:
+        for task in ("forget-me", "keep-me", "forget-me-too"):
+            python.submit("orders-card", order(task), task_id=task)
+        assert {python.wait(task)["status"] for task in ("forget-me", "keep-me", "forget-me-too")} == {"completed"}
+
+    erase = system.cli("task", "erase", "forget-me", "--wait")
+    assert erase.returncode == 0, erase.stderr + erase.stdout
+    assert "task data erased" in erase.stdout
+    erased = [e for e in system.events("forget-me") if isinstance(e, TaskDataErased)]
+    assert len(erased) == 1
+    by_http = http.post("/api/tasks/forget-me-too/commands", json={"action": "erase"},
+                        headers={"Authorization": f"Bearer {TOKEN}"})
+    assert by_http.status_code == 200 and by_http.json()["detail"] == "task data erased: its data key is deleted"
+    http.close()
+
+    keys = read_keys(system.bootstrap, system.layout.keys, {})
+    assert keys["forget-me"] is None and keys["forget-me-too"] is None, "the tombstone is the last word on keys"
+    wrapped = keys["keep-me"]
+    assert wrapped is not None
+    keyring = Keyring.parse(K1)
+    kept = next(e for e in system.events("keep-me") if isinstance(e, TaskAccepted))
+    assert keyring.unwrap(wrapped, "keep-me").unseal(kept.input["card_token"], input_place("keep-me", "card_token")) \
+        == order("keep-me")["card_token"], "the other task is untouched"
+    gone = next(e for e in system.events("forget-me") if isinstance(e, TaskAccepted))
+    with pytest.raises(SealingError):  # not even the other task's key opens it: each task has its own
+        keyring.unwrap(wrapped, "keep-me").unseal(gone.input["card_token"], input_place("forget-me", "card_token"))
+
+    refused = system.cli("task", "compensate", "forget-me", "--wait")
+    assert refused.returncode == 6
+    assert "task data erased: its input and outputs open nowhere" in refused.stdout
+
+    assert wait_for(lambda: (system.task("forget-me") or {}).get("erased_at") is not None, timeout_s=30)
+    system.procs.terminate("projector")
+    rebuilt = system.cli("projections", "rebuild", "--no-progress")
+    assert rebuilt.returncode == 0, rebuilt.stderr
+    assert (system.task("forget-me") or {}).get("erased_at") is not None, "the rebuilt store shows it erased"
+    assert (system.task("keep-me") or {}).get("erased_at") is None
+    verified = system.cli("projections", "verify", "--no-progress")
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+
+    # The scheduler restores a partition holding an erased task (its values left sealed) and runs on.
+    system.procs.terminate("scheduler")
+    system.restart("scheduler")
+    system.restart("projector")
+    with client(system) as python:
+        python.submit("orders-card", order("after-erase"), task_id="after-erase")
+        assert python.wait("after-erase", timeout_s=60)["status"] == "completed"
+    charge = next(e for e in system.events("forget-me") if isinstance(e, StepSucceeded) and e.step == "charge")
+    assert is_sealed(charge.output["charge_id"])
+
+
+def test_a_finished_tasks_card_data_is_erased_when_its_workflows_retention_runs_out(card_system: System) -> None:
+    system = card_system
+    start(system)
+    with client(system) as python:
+        python.submit("orders-card-brief", order("brief"), task_id="brief")
+        python.submit("orders-card", order("kept"), task_id="kept")
+        assert python.wait("brief")["status"] == python.wait("kept")["status"] == "completed"
+    shown = system.task("brief") or {}
+    assert shown["erase_due_at"] is not None and shown["retention_ms"] == 2000, "when it will be erased is visible"
+    assert (system.task("kept") or {})["erase_due_at"] is None, "a workflow without retention keeps it"
+
+    assert wait_for(lambda: (system.task("brief") or {}).get("erased_at") is not None, timeout_s=30)
+    erased = system.task("brief") or {}
+    assert erased["erased_by"] == "retention" and erased["erased_at"] >= erased["erase_due_at"]
+    assert [e.operator for e in system.events("brief") if isinstance(e, TaskDataErased)] == ["retention"]
+    keys = read_keys(system.bootstrap, system.layout.keys, {})
+    assert keys["brief"] is None and keys["kept"] is not None
+
+
+def test_a_new_master_key_seals_new_tasks_old_ones_still_open_and_their_keys_are_rewrapped(card_system: System) -> None:
+    system = card_system
+    start(system)
+    with client(system) as python:
+        python.submit("orders-card", order("before-rotation"), task_id="before-rotation")
+        assert python.wait("before-rotation")["status"] == "completed"
+
+    system.env["STEPSTREAM_ENCRYPTION_KEYS"] = f"{K2},{K1}"
+    for name in ("scheduler", "inventory", "payments", "shipping"):
+        system.procs.terminate(name)
+        system.restart(name)
+    with client(system, f"{K2},{K1}") as python:
+        python.submit("orders-card", order("after-rotation"), task_id="after-rotation")
+        assert python.wait("after-rotation", timeout_s=60)["status"] == "completed"
+        python.submit("orders-card", order("before-rotation"), task_id="before-rotation")  # a repeat: no-op
+
+    assert str(read_keys(system.bootstrap, system.layout.keys, {})["after-rotation"]).startswith("k2:")
+    assert charged_token(system, "after-rotation") == order("after-rotation")["card_token"]
+    # The repeat went to the old task's partition: the scheduler rewrapped its data key under k2 there.
+    assert wait_for(lambda: str(read_keys(system.bootstrap, system.layout.keys, {})["before-rotation"])
+                    .startswith("k2:"), timeout_s=30)
+    rewrapped = str(read_keys(system.bootstrap, system.layout.keys, {})["before-rotation"])
+    accepted = next(e for e in system.events("before-rotation") if isinstance(e, TaskAccepted))
+    assert Keyring.parse(K2).unwrap(rewrapped, "before-rotation").unseal(
+        accepted.input["card_token"], input_place("before-rotation", "card_token")) \
+        == order("before-rotation")["card_token"], "opens without the retired key: the log was not rewritten"
+    assert len([e for e in system.events("before-rotation") if isinstance(e, TaskAccepted)]) == 1
+    assert not any(isinstance(e, OperatorAlert) for e in system.events("before-rotation")), \
+        "the repeat sealed under the old task's key (opened with the old master key) is no contradiction"
+
+
+def test_a_scheduler_without_a_key_for_a_workflow_marking_inputs_refuses_to_start(card_system: System) -> None:
+    system = card_system
+    system.env["STEPSTREAM_ENCRYPTION_KEYS"] = ""
+    system.procs.service("scheduler", "scheduler")
+    assert wait_for(lambda: not system.procs.alive("scheduler"), timeout_s=60)
+    log = system.procs.log("scheduler")
+    assert "workflows orders-card v1, orders-card-brief v1 mark sensitive data but no encryption key" in log
+    assert K1.split(":")[1] not in log

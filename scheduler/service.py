@@ -393,6 +393,17 @@ class Scheduler:
         self._ensure_topic(TopicSpec(topic, self.layout.partitions))
         return topic
 
+    def create_agent_topics(self) -> None:
+        """Every agent topic the registry's workflows name, before the first command is taken.
+
+        Created lazily by a batch's first request instead, a topic is new to the transactional producer in
+        the middle of that batch; the demo lost two requests of a committed batch that way (their events
+        were on ``events``, the requests never reached ``agent.shipping``, and the tasks waited for the
+        supervisor). A topic made at start is known before anything is produced to it.
+        """
+        for agent in sorted(self.registry.agents):
+            self._ensure_topic(TopicSpec(self.layout.agent(agent), self.layout.partitions))
+
     def _ensure_topic(self, spec: TopicSpec) -> None:
         """Agent and status topics appear with their first message; a missing topic would fail the batch."""
         if spec.name not in self._known_topics:
@@ -512,6 +523,7 @@ def build_scheduler(kafka: KafkaSettings, consumer: ConsumerSettings, registry: 
     stop_event = stop_event or threading.Event()
     scheduler = Scheduler(bootstrap=bootstrap, layout=layout, registry=registry, limits=limits, keyring=keyring,
                           stop=stop_event)
+    scheduler.create_agent_topics()
     threading.Thread(target=scheduler.timers.run, name="timers", daemon=True).start()
     # A stable instance name lets a restarted scheduler fence its own zombie at once.
     transactional_id = f"{layout.prefix}scheduler-{instance or uuid.uuid4().hex}"

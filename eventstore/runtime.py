@@ -49,9 +49,6 @@ from schemas.codec import Codec, default_codec
 from schemas.errors import DecodeError
 from schemas.messages import Message
 
-COMMIT_STALL_S = 120.0
-"""How long a transaction's commit may take before the process gives up on it: twice its calls' timeouts."""
-
 log = structlog.get_logger("stepstream.runtime")
 
 class Record(NamedTuple):
@@ -361,7 +358,7 @@ class ConsumerRuntime:
     def _commit_transaction(self, offsets: list[TopicPartition]) -> None:
         try:
             # Both calls have 30 s timeouts librdkafka does not always keep (eventstore.stall).
-            with stall_guard(COMMIT_STALL_S, "transaction commit"):
+            with stall_guard(self.settings.commit_stall_s, "transaction commit"):
                 self.output.send_offsets(offsets, self._consumer.consumer_group_metadata())
                 self.output.commit()
             self._in_transaction = False
@@ -375,7 +372,8 @@ class ConsumerRuntime:
             self._abort()
 
     def _abort(self) -> None:
-        self.output.abort()
+        with stall_guard(self.settings.commit_stall_s, "transaction abort"):  # the same coordinator, the same hang
+            self.output.abort()
         self._in_transaction = False
         self._done.clear()
         self._processed.clear()

@@ -144,6 +144,10 @@ class ConsumerSettings(BaseSettings):
     retry_initial_backoff_s: float = Field(default=0.2, gt=0)
     retry_max_backoff_s: float = Field(default=10.0, gt=0)
     session_timeout_ms: int = Field(default=10000, ge=1000)
+    commit_stall_s: float = Field(
+        default=75.0, gt=0,
+        description="how long a transaction's commit or abort may block before the process exits 75 for a "
+                    "restart (eventstore.stall); above twice the calls' own 30 s timeouts, so only a hang fires it")
 
 
 class ObservabilitySettings(BaseSettings):

@@ -2,12 +2,15 @@
 
 ``send_offsets_to_transaction`` ignores its timeout when the group coordinator's broker dies
 (confluentinc/librdkafka#5456): a scheduler was seen sitting in it for minutes after a broker SIGKILL, its
-partitions owned and never read again, while the rest of the group waited for it. Nothing inside the
-process can cancel that call, and the transaction it belongs to can only be aborted by the broker or
-fenced by a successor. So past a generous deadline the guard ends the process (``EXIT_STALLED``), which is
-what it is for: the supervisor (``stepstream up``, compose's ``restart: unless-stopped``, an orchestrator)
-starts it again, the new instance's transactional id fences the stuck transaction, and the group moves its
-partitions in the meantime. Nothing is lost: the offsets were not committed, so the batch is read again.
+partitions owned and never read again, while the rest of the group waited for it. Nothing inside the process
+can cancel that call: librdkafka refuses a second transactional call while one is in progress, so another
+thread cannot abort the transaction, and a fresh producer in the same process would leave the main loop stuck
+in the old one. The broker aborts the transaction when a successor with the same transactional id fences it
+(or its ``transaction.timeout.ms`` runs out). So past a deadline (``STEPSTREAM_CONSUMER_COMMIT_STALL_S``) the
+guard ends the process (``EXIT_STALLED``), which is what it is for: the supervisor (``stepstream up``,
+compose's ``restart: unless-stopped``, an orchestrator, the tests' ``System``) starts it again, the new
+instance's transactional id fences the stuck transaction, and the group moves its partitions in the meantime.
+Nothing is lost: the offsets were not committed, so the batch is read again.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ import re
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -18,6 +19,7 @@ from psycopg import sql
 from demo.orders_client import OrdersAdmin, ServiceProcess
 from eventstore.producer import EventProducer
 from eventstore.replay import ReplayReader
+from eventstore.stall import EXIT_STALLED
 from eventstore.topics import TopicLayout
 from projections.settings import StoreSpec
 from schemas.messages import Event, SubmitTask
@@ -52,6 +54,23 @@ class System:
         }
         self.procs = ServiceProcesses(self.env, tmp / "logs", cwd=ROOT)
         self.producer = EventProducer(bootstrap)
+        self.stall_restarts: list[str] = []
+        """Each service started again after it ended itself stalled, in order (``eventstore.stall``)."""
+        self._procs_lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._watcher = threading.Thread(target=self._restart_stalled, name="restart-stalled", daemon=True)
+        self._watcher.start()
+
+    def _restart_stalled(self) -> None:
+        """Start again every service that exited ``EXIT_STALLED``, as ``stepstream up``, compose and an
+        orchestrator do; the stall guard's recovery relies on that restart. Any other exit is left for the
+        test to see: a crash must not pass unnoticed."""
+        while not self._stopping.wait(0.2):
+            with self._procs_lock:
+                for name, proc in list(self.procs.procs.items()):
+                    if proc.poll() == EXIT_STALLED:
+                        self.stall_restarts.append(name)
+                        self.procs.start_again(name)
 
     def start(self, *names: str) -> None:
         """Start services by name: scheduler, projector, supervisor, or an agent's name."""
@@ -73,7 +92,8 @@ class System:
         kind = service.split("-")[0]
         own = self.env.get("STEPSTREAM_SCHEDULER_INSTANCE")
         env = {"STEPSTREAM_SCHEDULER_INSTANCE": f"{own}-{copy}"} if kind == "scheduler" and own and copy else None
-        self.procs.service(name, *(("agent", service) if kind in AGENTS else (kind,)), env=env)
+        with self._procs_lock:
+            self.procs.service(name, *(("agent", service) if kind in AGENTS else (kind,)), env=env)
         if wait:
             self.procs.wait_started(name)
 
@@ -157,6 +177,8 @@ class System:
         return "\n".join(f"--- {name} ---\n{self.procs.log(name)[-chars:]}" for name in self.procs.procs)
 
     def stop(self) -> dict[str, int]:
+        self._stopping.set()
+        self._watcher.join()
         codes = self.procs.terminate_all()
         self.admin.close()
         return codes

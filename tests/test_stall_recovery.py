@@ -1,0 +1,43 @@
+"""The stall guard's recovery end to end: a scheduler stuck for good in its transaction's commit (the librdkafka
+hang after a broker SIGKILL, confluentinc/librdkafka#5456) ends itself with ``EXIT_STALLED``, is started again
+as ``stepstream up`` would, its successor fences the open transaction and reads the batch again, and every
+task ends as the order service's own records say."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from eventstore.stall import EXIT_STALLED
+from tests.agreement import disagreements
+from tests.system import AGENTS, System
+
+pytestmark = pytest.mark.kafka
+
+
+@pytest.mark.timeout(180)
+def test_a_scheduler_hung_in_its_commit_exits_stalled_and_its_restart_ends_every_task_once(
+    system: System, tmp_path: Path,
+) -> None:
+    marker = tmp_path / "hung-once"
+    system.env.update({
+        "STEPSTREAM_SCHEDULER_INSTANCE": "stall-test",  # the restart's transactional id fences the stuck one
+        "STEPSTREAM_CONSUMER_COMMIT_STALL_S": "3",
+    })
+    system.start("projector", *AGENTS, "supervisor")
+    system.procs.start("scheduler", "tests.workers.hanging_commit", "run", "scheduler",
+                       env={"STEPSTREAM_TEST_HANG_MARKER": str(marker)})
+    system.procs.wait_started("scheduler")
+    ids = [f"stall-{i}" for i in range(6)]
+    for task_id in ids:
+        system.submit(task_id, version=1)  # reserve, charge and ship: what tests/agreement.py checks
+
+    statuses = system.wait_terminal(ids, timeout_s=90)
+    assert marker.exists(), "a commit hung"
+    assert system.stall_restarts == ["scheduler"], system.logs_tail()
+    first_run = (system.procs.log_dir / "scheduler.log").read_text()
+    assert "stalled: ending the process for a restart" in first_run
+    assert f'"exit_code": {EXIT_STALLED}' in first_run
+    assert set(statuses.values()) == {"completed"}, statuses
+    assert not disagreements(system, statuses, ids)

@@ -15,8 +15,10 @@ In one run, one after the other, each on fresh topics (P partitions, default 8) 
 Both clusters are the project's own brokers (eventstore.cluster.LocalCluster) in a temporary folder, started
 here and stopped after their runs; the two never run at the same time. Per run: tasks/s, steps/s (3 per
 task), outcomes, each consumer group's mean and peak lag, and each service's CPU seconds over the timed
-window (its instances summed) with the steps it handled per CPU second (each agent: its own step), so the
-figures can size a deployment. Progress goes to stderr; the last line of stdout is one JSON object.
+window (its instances summed; the broker's: every node's Java process, from /proc/<pid>/stat) with the steps
+it handled per CPU second (each agent: its own step), so the figures can size a deployment; and the brokers'
+CPU per step on three nodes against one (``replicated_vs_single_broker_cpu``), what replication costs them.
+Progress goes to stderr; the last line of stdout is one JSON object.
 """
 
 from __future__ import annotations
@@ -70,6 +72,13 @@ def summary(run: SystemRun, load_before: tuple[float, ...]) -> dict[str, Any]:
     }
 
 
+def broker_cpu_per_step(run: dict[str, Any]) -> float:
+    """The brokers' CPU seconds (every node summed) per step of a run: comparable across task counts."""
+    seconds: float = run["cpu_seconds"]["broker"]
+    tasks: int = run["tasks"]
+    return seconds / (STEPS_PER_TASK * tasks)
+
+
 def measure(cluster: LocalCluster, nodes: int, instances: int, args: argparse.Namespace, tmp: Path,
             step: Callable[[str], None]) -> dict[str, Any]:
     """One system run on ``cluster`` (already started) with ``instances`` schedulers and agents."""
@@ -81,11 +90,10 @@ def measure(cluster: LocalCluster, nodes: int, instances: int, args: argparse.Na
     create_topics(bootstrap, topics)
     load_before = os.getloadavg()
     step(f"{nodes} broker(s), {instances} instance(s) of the scheduler and each agent: {args.tasks:,} tasks")
-    broker_pid = cluster.node(1).status()
+    brokers = [info.pid for node in cluster.nodes if (info := node.status()) is not None]
     try:
-        run = run_system(bootstrap, topics, tmp / f"{nodes}n{instances}i", args.tasks, args.warmup,
-                         broker_pid.pid if broker_pid and nodes == 1 else None, default_codec(), None, step,
-                         instances=instances)
+        run = run_system(bootstrap, topics, tmp / f"{nodes}n{instances}i", args.tasks, args.warmup, brokers,
+                         default_codec(), None, step, instances=instances)
     finally:
         for error in delete_topics(bootstrap, topics.names):
             step(f"[yellow]could not delete topic {error}[/yellow]")
@@ -132,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         "tasks": args.tasks,
         "partitions": args.partitions,
         "replicated_vs_single_steps": round(replicated["steps_per_s"] / single["steps_per_s"], 3),
+        "replicated_vs_single_broker_cpu": round(broker_cpu_per_step(replicated) / broker_cpu_per_step(single), 3),
         "steps_per_s_by_instances": {r["instances"]: r["steps_per_s"] for r in runs if r["brokers"] == 1},
         "runs": runs,
         "folder": str(tmp),

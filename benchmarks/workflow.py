@@ -552,7 +552,7 @@ def instance_names(instances: int) -> list[str]:
     return [*SERVICES, *(f"{name}#{k}" for k in range(2, instances + 1) for name in scaled)]
 
 
-def run_system(bootstrap: str, topics: Topics, tmp: Path, n: int, warmup: int, broker_pid: int | None,
+def run_system(bootstrap: str, topics: Topics, tmp: Path, n: int, warmup: int, broker_pids: list[int],
                codec: Codec, profile: Path | None, step: Callable[[str], None], latency_ms: int = 0,
                concurrency: int | None = None, instances: int = 1) -> SystemRun:
     layout = topics.layout
@@ -600,7 +600,9 @@ def run_system(bootstrap: str, topics: Topics, tmp: Path, n: int, warmup: int, b
         commands = [order(f"{TIMED}{i:06d}", i) for i in range(n)]
         inbox = layout.inbox
         pids: dict[str, int | None] = {name: proc.pid for name, proc in procs.procs.items()}
-        pids |= {"orders-service": service.pid, "broker": broker_pid, "benchmark": os.getpid()}
+        pids |= {"orders-service": service.pid, "benchmark": os.getpid()}
+        # A cluster's nodes as instances of one "broker" (``broker``, ``broker#2``, ...), as services' are.
+        pids |= {("broker" if k == 1 else f"broker#{k}"): pid for k, pid in enumerate(broker_pids, 1)}
         inbox_before = message_count(bootstrap, inbox, layout.partitions)
         gc.collect()
         groups = {"scheduler (inbox)": (f"{layout.prefix}scheduler", inbox),
@@ -883,8 +885,8 @@ def main(argv: list[str] | None = None) -> int:
                      f"{1e6 * alone.cpu_seconds / alone.messages:,.0f} CPU µs each")
                 del keys, payloads
                 gc.collect()
-            system = run_system(bootstrap, topics, tmp, n, args.warmup, broker_pid, codec, profile, step,
-                                args.latency_ms, args.concurrency)
+            system = run_system(bootstrap, topics, tmp, n, args.warmup, [broker_pid] if broker_pid else [], codec,
+                                profile, step, args.latency_ms, args.concurrency)
             step("replaying events for latencies")
             events = analyse_events(bootstrap, layout.events, first_calls(system.arrivals))
         finally:

@@ -175,6 +175,11 @@ class Scheduler:
         if quarantine is not None:
             self._release_or_refuse(quarantine, command, state, record.partition, output)
             return
+        if (reply_topic := self._reply_topic(state, command)) is not None:
+            # Made before anything of this command is produced: made lazily with the status update, a creation
+            # that failed (a timeout under load) raised between the command's events and that update, and the
+            # runtime's retry of the command sent its events a second time in the same transaction.
+            self._ensure_topic(TopicSpec(reply_topic, self.layout.partitions))
         was_live = state is not None and not state.is_terminal
         before = state
         new_key: TaskKey | None = None
@@ -377,10 +382,10 @@ class Scheduler:
             sealed_output=_marked_answer(step, isinstance(event, StepCompensationStarted)) if data_key else [],
         ), headers=headers_of(attempt_span(state.task_id, event.attempt_id)))
 
-    def _reply_topic(self, state: TaskState, command: Message) -> str | None:
+    def _reply_topic(self, state: TaskState | None, command: Message) -> str | None:
         """A submitter's private topic. Only names under this deployment's status prefix are served."""
-        topic = state.reply_topic
-        submitter = state.submitter
+        topic = state.reply_topic if state is not None else None
+        submitter = state.submitter if state is not None else None
         if isinstance(command, SubmitTask) and topic is None and submitter is None:
             topic, submitter = command.reply_topic, command.submitter
         if topic is None and submitter is not None:
@@ -388,9 +393,8 @@ class Scheduler:
         if topic is None:
             return None
         if not topic.startswith(self.layout.status("")):
-            log.warning("reply topic outside the status prefix ignored", task_id=state.task_id, topic=topic)
+            log.warning("reply topic outside the status prefix ignored", task_id=command.task_id, topic=topic)
             return None
-        self._ensure_topic(TopicSpec(topic, self.layout.partitions))
         return topic
 
     def create_agent_topics(self) -> None:
@@ -405,7 +409,8 @@ class Scheduler:
             self._ensure_topic(TopicSpec(self.layout.agent(agent), self.layout.partitions))
 
     def _ensure_topic(self, spec: TopicSpec) -> None:
-        """Agent and status topics appear with their first message; a missing topic would fail the batch."""
+        """Agent topics are made at start, a status topic before a command that may answer on it produces
+        anything: a missing topic would fail the batch."""
         if spec.name not in self._known_topics:
             ensure_topics(self._admin, [spec], self.layout.replication_factor)
             self._known_topics.add(spec.name)

@@ -54,8 +54,9 @@ class System:
         }
         self.procs = ServiceProcesses(self.env, tmp / "logs", cwd=ROOT)
         self.producer = EventProducer(bootstrap)
-        self.stall_restarts: list[str] = []
-        """Each service started again after it ended itself stalled, in order (``eventstore.stall``)."""
+        self.stall_restarts: list[tuple[str, str]] = []
+        """Each service started again after it ended itself stalled, in order, with the line it logged saying
+        what stalled (``eventstore.stall``)."""
         self._procs_lock = threading.Lock()
         self._stopping = threading.Event()
         self._watcher = threading.Thread(target=self._restart_stalled, name="restart-stalled", daemon=True)
@@ -69,7 +70,8 @@ class System:
             with self._procs_lock:
                 for name, proc in list(self.procs.procs.items()):
                     if proc.poll() == EXIT_STALLED:
-                        self.stall_restarts.append(name)
+                        said = [line for line in self.procs.log(name).splitlines() if "stalled" in line]
+                        self.stall_restarts.append((name, said[-1] if said else "(nothing logged)"))
                         self.procs.start_again(name)
 
     def start(self, *names: str) -> None:

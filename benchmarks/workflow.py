@@ -106,6 +106,7 @@ from schemas.messages import (
     TaskFailed,
     TaskRejected,
 )
+from schemas.sealed import configured_keys
 from schemas.states import TERMINAL
 from stepstream.local.processes import ServiceProcesses, child_env
 
@@ -454,6 +455,9 @@ def service_env(bootstrap: str, layout: TopicLayout, folder: Path, service_url: 
                     STEPSTREAM_SCHEDULER_WORKFLOWS="demo.workflows:REGISTRY", STEPSTREAM_LOG_JSON="true")
     for inherited in ("STEPSTREAM_METRICS_PORT", "STEPSTREAM_SCHEDULER_INSTANCE"):
         env.pop(inherited, None)  # one port for six processes would not do; nor a fixed transactional id
+    # The demo's latest orders version marks a field, and a scheduler of its registry starts only with a master
+    # key: the folder's own development key, as ``stepstream up`` makes one (the timed orders, v1, seal nothing).
+    env.setdefault("STEPSTREAM_ENCRYPTION_KEYS", configured_keys(folder, create=True) or "")
     return env
 
 

@@ -74,13 +74,14 @@ class System:
                         self.stall_restarts.append((name, said[-1] if said else "(nothing logged)"))
                         self.procs.start_again(name)
 
-    def start(self, *names: str) -> None:
-        """Start services by name: scheduler, projector, supervisor, or an agent's name."""
+    def start(self, *names: str, timeout_s: float = 60.0) -> None:
+        """Start services by name: scheduler, projector, supervisor, or an agent's name; each must be up within
+        ``timeout_s`` of the last one (many processes importing at once on a busy machine need longer)."""
         chosen = names or ("projector", "scheduler", *AGENTS, "supervisor")
         for name in chosen:
             self.restart(name, wait=False)
         for name in chosen:
-            self.procs.wait_started(name)
+            self.procs.wait_started(name, timeout_s=timeout_s)
 
     def restart(self, name: str, *, wait: bool = True) -> None:
         """(Re)start one service by its name (an agent's, e.g. ``payments-refund``, or scheduler, projector,

@@ -89,7 +89,8 @@ def test_two_of_every_service_on_three_brokers_lose_nothing_and_apply_nothing_tw
     saga.admin.set_faults(error_rate=0.05)
     # A shipment in seven refused for good: of 60 tasks, none compensates in one run in 17,000.
     saga.admin.set_faults("shipping/create", error_rate=0.05, permanent_error_rate=0.15)
-    saga.start(*SERVICES, *(f"{name}#2" for name in SERVICES))
+    # Twenty processes importing at once: at a load average of 36 a projector took over 60 s to start.
+    saga.start(*SERVICES, *(f"{name}#2" for name in SERVICES), timeout_s=180)
     ids = [f"many-{i:05d}" for i in range(TASKS)]
     for task_id in ids:
         saga.submit(task_id, workflow="orders-chaos")

@@ -112,6 +112,10 @@ REGISTRY = WorkflowRegistry.of([
         backoff_rounds=1,
         after_backoff="compensate",
     ),
+    # Rounds enough for minutes, but a step may be retried for 45 s from its first attempt only.
+    Workflow("flow", 5, (Step("j", "agent-j", timeout_s=4, attempt_budget=20, calls_per_attempt=1,
+                              backoff=Backoff(initial_s=2, max_s=8)),),
+             failure_threshold=2, escalation="backoff", long_backoff_s=20, backoff_rounds=5, step_total_s=45),
 ])
 LIMITS = Limits(max_in_flight=2)
 TASKS = ("t1", "t2", "t3")
@@ -139,7 +143,7 @@ class DeciderMachine(RuleBasedStateMachine):
     # ---- commands -------------------------------------------------------------------------------
 
     @rule(task=tasks, workflow=st.sampled_from([("flow", None), ("flow", 1), ("flow", 2), ("flow", 3),
-                                                ("flow", 4), ("nope", None)]),
+                                                ("flow", 4), ("flow", 5), ("nope", None)]),
           data=st.sampled_from([{"n": 1}, {"n": 2}]))
     def submit(self, task: str, workflow: tuple[str, int | None], data: dict[str, int]) -> None:
         name, version = workflow
@@ -564,6 +568,31 @@ class DeciderMachine(RuleBasedStateMachine):
                     not_before = timers.get((e.step, isinstance(e, StepCompensationStarted), e.attempt))
                     assert not_before is None or e.occurred_at >= not_before, \
                         f"{e.attempt_id} started at {e.occurred_at}, its timer said {not_before}"
+
+    @invariant()
+    def no_retry_of_a_step_is_set_or_started_at_once_past_the_steps_total_time(self) -> None:
+        """A timer's ``not_before``, and an attempt started at once after a failure, are within the workflow's
+        ``step_total_s`` of the step's first attempt (again from an operator's resubmit); deferrals included."""
+        for task, history in self.histories.items():
+            state = self.states[task]
+            total_s = REGISTRY.get(state.workflow, state.workflow_version).step_total_s if state else None
+            if total_s is None:
+                continue
+            total = timedelta(seconds=total_s)
+            first: dict[str, datetime] = {}
+            timed: set[tuple[str, int]] = set()
+            for e in history:
+                if isinstance(e, StepResubmitted):
+                    first.pop(e.step, None)
+                elif isinstance(e, StepRetryScheduled) and not e.compensation:
+                    timed.add((e.step, e.attempt))
+                    assert e.not_before <= first[e.step] + total, f"{e.step}: a timer past the total time"
+                elif isinstance(e, StepStarted):
+                    at_once = e.step in first and (e.step, e.attempt) not in timed
+                    assert not at_once or e.occurred_at <= first[e.step] + total, f"{e.attempt_id} past the total"
+                    first.setdefault(e.step, e.occurred_at)
+                elif "total time" in getattr(e, "reason", ""):
+                    note("a step gave up at its total time")
 
     @invariant()
     def attempt_ids_are_never_reused(self) -> None:

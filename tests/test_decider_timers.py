@@ -24,6 +24,7 @@ from schemas.messages import (
     StepRetryScheduled,
     StepStarted,
     SubmitTask,
+    TaskFailed,
 )
 from schemas.messages import RetryDue as Fire
 
@@ -34,7 +35,10 @@ FLOW = Workflow("flow", 1, (Step("pay", "payments", attempt_budget=4, calls_per_
                 failure_threshold=3, escalation="compensate")
 PATIENT = Workflow("patient", 1, (Step("pay", "payments", attempt_budget=5, calls_per_attempt=1, backoff=BACKOFF),),
                    failure_threshold=2, escalation="backoff", long_backoff_s=600, backoff_rounds=1)
-REGISTRY = WorkflowRegistry.of([FLOW, PATIENT])
+# Rounds enough for ten minutes, but a step may only be retried for a minute from its first attempt.
+BOUNDED = Workflow("bounded", 1, (Step("pay", "payments", attempt_budget=50, calls_per_attempt=1, backoff=BACKOFF),),
+                   failure_threshold=2, escalation="backoff", long_backoff_s=30, backoff_rounds=10, step_total_s=60)
+REGISTRY = WorkflowRegistry.of([FLOW, PATIENT, BOUNDED])
 
 
 def run(state: TaskState | None, command: Command, now: datetime = NOW) -> tuple[TaskState, tuple[Event, ...]]:
@@ -170,6 +174,58 @@ def test_past_the_threshold_a_backoff_escalation_waits_the_long_period_then_star
     state, _ = run(state, fire_for(again), again.not_before)
     state, events = run(state, failure(state), again.not_before)  # no rounds left: after_backoff (error)
     assert state.status == "error" and [type(e).__name__ for e in events][-2:] == ["TaskFailed", "OperatorAlert"]
+
+
+def bounded() -> TaskState:
+    state, _ = run(None, SubmitTask(task_id="t", workflow="bounded", input={}))
+    return state
+
+
+def test_deferrals_count_against_a_steps_total_time_and_one_that_would_end_past_it_escalates_instead() -> None:
+    state, now = bounded(), NOW
+    for _ in range(2):  # an open breaker for 25 s, twice: each deferral waits, neither is a failure
+        state, events = run(state, failure(state, calls=0, kind="breaker_open", retry_after_s=25), now)
+        timer = last_timer(events)
+        assert timer.deferred_attempt_id and state.steps[0].failure_count == 0
+        now = timer.not_before
+        state, _ = run(state, fire_for(timer), now)
+    assert now == NOW + timedelta(seconds=50)
+    state, events = run(state, failure(state, calls=0, kind="breaker_open", retry_after_s=25), now)
+    assert [type(e).__name__ for e in events] == ["StepFailed", "TaskFailed", "OperatorAlert"], \
+        "a third deferral would end 75 s after the first attempt, past the minute: the step gives up instead"
+    gave_up = events[0]
+    assert isinstance(gave_up, StepFailed) and gave_up.calls == 0 and "total time" in gave_up.error
+    assert state.status == "error" and state.steps[0].calls_used == 0, "giving up charged no call"
+
+
+def test_a_steps_back_off_rounds_end_at_its_total_time_although_rounds_are_left() -> None:
+    state, now = bounded(), NOW
+    state, events = run(state, failure(state), now)  # back-off 2 s
+    now = last_timer(events).not_before
+    state, _ = run(state, fire_for(last_timer(events)), now)
+    state, events = run(state, failure(state), now)  # the threshold: a long back-off of 30 s, within the minute
+    long = last_timer(events)
+    assert long.new_round and long.not_before == NOW + timedelta(seconds=32)
+    state, _ = run(state, fire_for(long), long.not_before)
+    state, events = run(state, failure(state), long.not_before)  # back-off 2 s: 34 s
+    now = last_timer(events).not_before
+    state, _ = run(state, fire_for(last_timer(events)), now)
+    state, events = run(state, failure(state), now)  # the threshold again: another long one would end at 64 s
+    assert [type(e).__name__ for e in events] == ["StepFailed", "TaskFailed", "OperatorAlert"]
+    assert state.status == "error" and state.steps[0].rounds == 1, "nine rounds were left; the minute was not"
+    failed = events[1]
+    assert isinstance(failed, TaskFailed) and "failure threshold" in failed.reason and "total time" in failed.reason
+
+    resubmitted, events = run(state, OperatorCommand(task_id="t", command_id="c1", action="resubmit"),
+                              now + timedelta(minutes=5))
+    assert [type(e).__name__ for e in events][-1] == "StepStarted"
+    _, events = run(resubmitted, failure(resubmitted), now + timedelta(minutes=5))
+    assert isinstance(events[-1], StepRetryScheduled), "an operator's resubmit starts the step's total time again"
+
+
+def test_a_total_time_for_a_step_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="step_total_s"):
+        Workflow("w", 1, (Step("s", "a"),), step_total_s=0)
 
 
 def test_the_demos_orders_workflow_waits_out_a_one_minute_outage_without_failing_or_compensating() -> None:

@@ -167,7 +167,7 @@ def evolve(state: TaskState | None, event: Event) -> TaskState:
             return replace(state, status=TaskStatus.COMPENSATION_FAILED, sequence=event.sequence)
         case StepResubmitted():
             index = _step_in(state, event.step, StepStatus.FAILED)
-            fresh = replace(state.steps[index], failure_count=0, calls_used=0)
+            fresh = replace(state.steps[index], failure_count=0, calls_used=0, first_started_at=None)
             return replace(_with_step(state, event, index, fresh), status=TaskStatus.RUNNING)
         case StepRetryScheduled():
             return _retry_scheduled(state, event)
@@ -270,6 +270,7 @@ def _step_started(state: TaskState, event: StepStarted) -> TaskState:
         lease=Lease(event.occurred_at, event.complete_by, event.start_by),
         calls_allowed=event.calls_allowed,
         timer=None,
+        first_started_at=prior.first_started_at or event.occurred_at,
     )
     steps = (*state.steps[:index], started, *state.steps[index + 1 :])
     return replace(state, status=TaskStatus.RUNNING, sequence=event.sequence, steps=steps, current_step=index)

@@ -65,6 +65,11 @@ class Compensation:
     Its attempts get their own deadlines, call budget and per-attempt allowance, and the workflow's
     ``failure_threshold`` bounds its failed attempts as it bounds the forward step's.
 
+    An undo that gives up leaves its task ``compensation_failed``, holding what it could not undo until an
+    operator acts; waiting is usually cheaper. ``backoff_rounds`` (0: none, as before) lets it wait instead:
+    past the threshold it waits ``long_backoff_s`` and gets a fresh round of attempts (its failure count
+    starts again, its call budget does not), up to that many rounds, and only then fails.
+
     ``forward_may_land_s`` is for a service that cannot refuse a forward call after its undo (it keeps no
     tombstones, see the README's contract): a forward call may still land up to this long after its
     attempt's latest end (say, the agent's call timeout), so the undo waits until then -- the last forward
@@ -79,10 +84,15 @@ class Compensation:
     queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S
     forward_may_land_s: float | None = None
     backoff: Backoff = Backoff()
+    long_backoff_s: float = 300.0
+    backoff_rounds: int = 0
 
     def __post_init__(self) -> None:
         if not self.agent:
             raise ValueError("a compensation needs an agent")
+        if self.long_backoff_s <= 0 or self.backoff_rounds < 0:
+            raise ValueError(f"compensation by {self.agent}: long_backoff_s must be positive and backoff_rounds "
+                             "not negative")
         if self.timeout_s <= 0 or self.queue_timeout_s <= 0:
             raise ValueError(f"compensation by {self.agent}: timeout_s and queue_timeout_s must be positive")
         if self.attempt_budget < 1 or self.calls_per_attempt < 1:

@@ -102,8 +102,9 @@ REGISTRY = WorkflowRegistry.of([
         (
             Step("h", "agent-h", timeout_s=4, attempt_budget=4, calls_per_attempt=2,
                  backoff=Backoff(initial_s=5, multiplier=2, max_s=20),
-                 compensation=Compensation("undo-h", timeout_s=2, attempt_budget=3, calls_per_attempt=1,
-                                           backoff=Backoff(initial_s=3, max_s=10))),
+                 compensation=Compensation("undo-h", timeout_s=2, attempt_budget=5, calls_per_attempt=1,
+                                           backoff=Backoff(initial_s=3, max_s=10), long_backoff_s=30,
+                                           backoff_rounds=1)),
             Step("i", "agent-i", timeout_s=4, attempt_budget=3, calls_per_attempt=2, backoff=Backoff(initial_s=1)),
         ),
         failure_threshold=3,
@@ -309,7 +310,7 @@ class DeciderMachine(RuleBasedStateMachine):
         suggested = timedelta(seconds=command.retry_after_s or 0) if isinstance(command, StepResult) else timedelta()
         for timer in (e for e in events if isinstance(e, StepRetryScheduled)):
             note("timer set" + (" (deferral)" if timer.deferred_attempt_id else " (new round)" if timer.new_round
-                                else ""))
+                                else "") + (" of an undo" if timer.compensation else ""))
             assert timer.not_before >= now + suggested, "the next attempt waits at least what the agent asked"
         if isinstance(command, StepResult) and command.deferred and before is not None \
                 and before.current_step is not None and before.steps[before.current_step].lock == command.attempt_id \
@@ -401,10 +402,11 @@ class DeciderMachine(RuleBasedStateMachine):
     def check_monotonic(before: TaskState, after: TaskState, events: tuple[Event, ...]) -> None:
         """Steps are never forgotten; attempt numbers only grow; failure counts and calls used only grow,
         except that an operator's resubmit or retry opens a new round for the step it names (and a long
-        back-off's new round starts the failure count again, never the calls used)."""
+        back-off's new round, of the step or of its undo, starts the failure count again, never the calls used)."""
         resubmitted = {e.step for e in events if isinstance(e, StepResubmitted)
-                       or (isinstance(e, StepRetryScheduled) and e.new_round)}
+                       or (isinstance(e, StepRetryScheduled) and e.new_round and not e.compensation)}
         retried = {e.step for e in events if isinstance(e, CompensationRetried)}
+        undo_rounds = {e.step for e in events if isinstance(e, StepRetryScheduled) and e.new_round and e.compensation}
         assert len(after.steps) >= len(before.steps)
         for old, new in zip(before.steps, after.steps, strict=False):
             assert new.name == old.name
@@ -414,8 +416,9 @@ class DeciderMachine(RuleBasedStateMachine):
                 assert new.failure_count >= old.failure_count
             if old.name not in {e.step for e in events if isinstance(e, StepResubmitted)}:
                 assert new.calls_used >= old.calls_used
-            if old.name not in retried:
+            if old.name not in retried | undo_rounds:
                 assert new.compensation.failure_count >= old.compensation.failure_count
+            if old.name not in retried:
                 assert new.compensation.calls_used >= old.compensation.calls_used
 
     # ---- invariants over every task -------------------------------------------------------------

@@ -38,7 +38,11 @@ PATIENT = Workflow("patient", 1, (Step("pay", "payments", attempt_budget=5, call
 # Rounds enough for ten minutes, but a step may only be retried for a minute from its first attempt.
 BOUNDED = Workflow("bounded", 1, (Step("pay", "payments", attempt_budget=50, calls_per_attempt=1, backoff=BACKOFF),),
                    failure_threshold=2, escalation="backoff", long_backoff_s=30, backoff_rounds=10, step_total_s=60)
-REGISTRY = WorkflowRegistry.of([FLOW, PATIENT, BOUNDED])
+# An undo that waits two minutes for a fresh round of attempts, once, before it gives up.
+UNDO_WAITS = Workflow("undo-waits", 1, (Step("pay", "payments", backoff=BACKOFF, compensation=Compensation(
+    "refund", attempt_budget=20, calls_per_attempt=1, backoff=BACKOFF, long_backoff_s=120, backoff_rounds=1)),),
+    failure_threshold=2, escalation="compensate")
+REGISTRY = WorkflowRegistry.of([FLOW, PATIENT, BOUNDED, UNDO_WAITS])
 
 
 def run(state: TaskState | None, command: Command, now: datetime = NOW) -> tuple[TaskState, tuple[Event, ...]]:
@@ -226,6 +230,52 @@ def test_a_steps_back_off_rounds_end_at_its_total_time_although_rounds_are_left(
 def test_a_total_time_for_a_step_must_be_positive() -> None:
     with pytest.raises(ValueError, match="step_total_s"):
         Workflow("w", 1, (Step("s", "a"),), step_total_s=0)
+
+
+def failing_undo(rounds: int) -> tuple[TaskState, datetime, list[StepRetryScheduled]]:
+    """A task of ``undo-waits`` whose step was refused for good, then whose undo failed ``rounds`` full rounds
+    (two failed attempts each, every timer fired when due): its state, the clock, and the undo's timers."""
+    state, _ = run(None, SubmitTask(task_id="t", workflow="undo-waits", input={}))
+    state, _ = run(state, failure(state).model_copy(update={"permanent": True}))
+    assert state.status == "compensating"
+    now, timers = NOW, []
+    for _ in range(2 * rounds):
+        state, events = run(state, failure(state), now)
+        if isinstance(events[-1], StepRetryScheduled):
+            timers.append(events[-1])
+            now = events[-1].not_before
+            state, _ = run(state, fire_for(events[-1]), now)
+    return state, now, timers
+
+
+def test_an_undo_past_the_threshold_waits_the_long_period_for_a_fresh_round_instead_of_failing() -> None:
+    state, now, timers = failing_undo(rounds=1)
+    assert [(t.compensation, t.new_round) for t in timers] == [(True, False), (True, True)]
+    long = timers[-1]
+    assert long.not_before - timers[0].not_before == timedelta(seconds=120) and "undo round 2 of 2" in long.reason
+    undo = state.steps[0].compensation
+    assert (state.status, undo.failure_count, undo.rounds, undo.calls_used) == ("compensating", 0, 1, 2), \
+        "the fresh round starts the undo's failure count again, never its budget"
+    state, events = run(state, StepResult(task_id="t", step="pay", attempt_id=undo.attempt_id or "", ok=True,
+                                          output={}, calls=1), now)
+    assert state.status == "compensated" and [type(e).__name__ for e in events][-1] == "TaskCompensated"
+
+
+def test_an_undo_whose_long_back_off_rounds_are_spent_fails_for_an_operator() -> None:
+    state, _, timers = failing_undo(rounds=2)
+    assert [t.new_round for t in timers] == [False, True, False]
+    assert state.status == "compensation_failed" and state.steps[0].compensation.rounds == 1
+
+
+def test_an_undo_without_long_back_off_rounds_fails_at_its_threshold_as_before() -> None:
+    state = started()  # flow: its refund declares no rounds
+    state, _ = run(state, failure(state).model_copy(update={"permanent": True}))
+    for _ in range(3):
+        state, events = run(state, failure(state), NOW + timedelta(hours=1))
+        if isinstance(events[-1], StepRetryScheduled):
+            assert not events[-1].new_round
+            state, _ = run(state, fire_for(events[-1]), events[-1].not_before)
+    assert state.status == "compensation_failed"
 
 
 def test_the_demos_orders_workflow_waits_out_a_one_minute_outage_without_failing_or_compensating() -> None:

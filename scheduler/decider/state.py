@@ -65,7 +65,8 @@ class CompensationState:
     """The compensation of one step, as far as it got: its attempts, budget spent and outcome.
 
     Counted apart from the forward step's because it is a different call with its own budget; its
-    attempt numbers are the fencing tokens of the compensating call.
+    attempt numbers are the fencing tokens of the compensating call. ``rounds``: the long back-offs it
+    waited out (``Compensation.backoff_rounds``).
     """
 
     attempt: int = 0
@@ -76,6 +77,7 @@ class CompensationState:
     calls_allowed: int = 0
     output: dict[str, Any] | None = None
     error: str | None = None
+    rounds: int = 0
 
 
 @dataclass(frozen=True)

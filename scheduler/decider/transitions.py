@@ -355,9 +355,13 @@ def _retry_scheduled(state: TaskState, event: StepRetryScheduled) -> TaskState:
     timer = Timer(event.attempt, event.not_before, event.reason, event.compensation)
     waiting = replace(step, status=StepStatus.WAITING, timer=timer)
     if event.new_round:
-        if event.compensation or event.deferred_attempt_id is not None:
-            raise InvalidTransition(f"a new round of step {step.name!r} follows a failed forward attempt only")
-        waiting = replace(waiting, failure_count=0, rounds=step.rounds + 1)
+        if event.deferred_attempt_id is not None:
+            raise InvalidTransition(f"a new round of step {step.name!r} follows a failed attempt, not a deferral")
+        if event.compensation:
+            undo = step.compensation
+            waiting = replace(waiting, compensation=replace(undo, failure_count=0, rounds=undo.rounds + 1))
+        else:
+            waiting = replace(waiting, failure_count=0, rounds=step.rounds + 1)
     return _with_step(state, event, index, waiting)
 
 

@@ -8,10 +8,10 @@ Four runs of the same load (``--tasks`` orders submitted evenly over ``--window-
 service's faults of tests/kills.py: errors, throttling, charges answered around the call timeout, a
 shipment in seven refused for good): ``orders-chaos`` (tests/workflows.py: retries at once, undoes past five
 failed attempts: the behaviour before timers) and ``orders-riding`` (the same steps with back-off between
-attempts and a long back-off past the threshold), each once without kills and once while a service is
-SIGKILLed and restarted every ``--kills-every-s`` and the broker is SIGKILLed and restarted once
-(tests/kills.py's ``Kills``). Each run is a whole system of its own (fresh topics, a fresh order service)
-on one broker of the benchmark's own.
+attempts and a long back-off past the threshold), each once without kills and once while, as long as orders
+are submitted (and at least once each after the broker's restart), a service is SIGKILLed and restarted every
+``--kills-every-s`` and the broker is SIGKILLed and restarted once (tests/kills.py's ``Kills``). Each run is
+a whole system of its own (fresh topics, a fresh order service) on one broker of the benchmark's own.
 
 Reported per run: how the orders ended, the share undone, the share that *gave up* (undone although no step
 was refused for good, or an undo that stopped trying), the orders whose end disagrees with the service's

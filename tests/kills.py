@@ -40,19 +40,16 @@ def inject_faults(system: System) -> None:
 
 class Kills(threading.Thread):
     """Every ``every_s`` SIGKILLs the next service of ``ROTATION`` and starts it again; after the first
-    ``BROKER_AFTER`` kills, SIGKILLs the broker and starts it on the same address. Ends after one whole
-    rotation past the broker's restart, once every service restarted runs. ``error`` holds what stopped it
-    early."""
+    ``BROKER_AFTER`` kills, SIGKILLs the broker and starts it on the same address. Goes on for ``for_s``, and
+    at least one whole rotation past the broker's restart; ends once every service restarted runs.
+    ``error`` holds what stopped it early."""
 
-    def __init__(self, system: System, broker: LocalBroker, every_s: float) -> None:
+    def __init__(self, system: System, broker: LocalBroker, every_s: float, for_s: float) -> None:
         super().__init__(name="kills", daemon=True)
         self.system, self.broker, self.every_s = system, broker, every_s
+        self.planned = max(BROKER_AFTER + len(ROTATION), int(for_s / every_s))
         self.killed: list[str] = []
         self.error: BaseException | None = None
-
-    @property
-    def planned(self) -> int:
-        return BROKER_AFTER + len(ROTATION)
 
     def run(self) -> None:
         try:
@@ -117,14 +114,15 @@ def gave_up(statuses: dict[str, str], history: list[Event]) -> dict[str, str]:
 def run_orders(system: System, broker: LocalBroker, *, workflow: str, tasks: int, window_s: float,
                kills_every_s: float | None, patience_s: float) -> Run:
     """Start every service, submit ``tasks`` orders of ``workflow`` evenly over ``window_s`` under the faults
-    of ``inject_faults`` (with kills every ``kills_every_s``, or none), wait until every task ended, and judge.
+    of ``inject_faults`` (with kills every ``kills_every_s`` while they are submitted, or none), wait until every
+    task ended, and judge.
 
     Without kills the submissions are paced the same, so the two runs carry the same load.
     """
     inject_faults(system)
     start(system)
     began = time.monotonic()
-    kills = Kills(system, broker, kills_every_s) if kills_every_s is not None else None
+    kills = Kills(system, broker, kills_every_s, window_s) if kills_every_s is not None else None
     if kills is not None:
         kills.start()
     ids = [f"{workflow}-{i:04d}" for i in range(tasks)]

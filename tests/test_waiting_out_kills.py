@@ -3,14 +3,14 @@
 Orders of ``orders-riding`` (tests/workflows.py: orders-chaos's steps and threshold, with back-off between
 attempts and a long back-off past the threshold) run through orders-chaos's faults (tests/kills.py) while a
 service is SIGKILLed and restarted every 1.5 s (each of the nine once after the broker's restart) and the
-broker is SIGKILLed and restarted once. Every
-task must end as the order service's records say (tests/agreement.py), and no task may stop trying while its
-faults pass: the only undone tasks are those whose shipment was refused for good. The shares of tasks
+broker is SIGKILLed and restarted once. Every task must end as the order service's records say
+(tests/agreement.py), and no task may stop trying while its faults pass: the only undone tasks are those
+whose shipment was refused for good. The shares of tasks
 undone with and without the kills are what benchmarks/waiting_out_kills.py reports (BENCHMARKS.md).
 
 The module runs on a broker of its own, which it can kill without disturbing other tests.
-``STEPSTREAM_KILLS_TASKS`` sets the number of orders (default 24, submitted over 16 s; 70-90 s here at loads of 13-27
-on two cores, the broker's start and the services' included).
+``STEPSTREAM_KILLS_TASKS`` sets the number of orders (default 24, submitted over 16 s; 70-90 s here at loads
+of 13-27 on two cores, the broker's start and the services' included).
 """
 
 from __future__ import annotations

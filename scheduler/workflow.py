@@ -65,6 +65,11 @@ class Compensation:
     Its attempts get their own deadlines, call budget and per-attempt allowance, and the workflow's
     ``failure_threshold`` bounds its failed attempts as it bounds the forward step's.
 
+    An undo that gives up leaves its task ``compensation_failed``, holding what it could not undo until an
+    operator acts; waiting is usually cheaper. ``backoff_rounds`` (0: none, as before) lets it wait instead:
+    past the threshold it waits ``long_backoff_s`` and gets a fresh round of attempts (its failure count
+    starts again, its call budget does not), up to that many rounds, and only then fails.
+
     ``forward_may_land_s`` is for a service that cannot refuse a forward call after its undo (it keeps no
     tombstones, see the README's contract): a forward call may still land up to this long after its
     attempt's latest end (say, the agent's call timeout), so the undo waits until then -- the last forward
@@ -79,10 +84,15 @@ class Compensation:
     queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S
     forward_may_land_s: float | None = None
     backoff: Backoff = Backoff()
+    long_backoff_s: float = 300.0
+    backoff_rounds: int = 0
 
     def __post_init__(self) -> None:
         if not self.agent:
             raise ValueError("a compensation needs an agent")
+        if self.long_backoff_s <= 0 or self.backoff_rounds < 0:
+            raise ValueError(f"compensation by {self.agent}: long_backoff_s must be positive and backoff_rounds "
+                             "not negative")
         if self.timeout_s <= 0 or self.queue_timeout_s <= 0:
             raise ValueError(f"compensation by {self.agent}: timeout_s and queue_timeout_s must be positive")
         if self.attempt_budget < 1 or self.calls_per_attempt < 1:
@@ -159,6 +169,12 @@ class Workflow:
     ``long_backoff_s``, then gets a fresh round of attempts (its failure count starts again; its call budget
     does not, so the budget stays exact), up to ``backoff_rounds`` extra rounds, then escalates as
     ``after_backoff`` says. A permanent failure or a spent budget escalates at once: waiting cannot help.
+    ``step_total_s`` bounds a step's retries by time as ``backoff_rounds`` and the threshold bound them by
+    count: no retry of a step (after a back-off, a deferral, a long back-off, or at once) is set to start
+    later than this after the step's first attempt started, so time spent waiting on an open breaker counts
+    against it although a deferral is no failed attempt; the step escalates instead, as it does past its
+    last round. None (the default): only the counts bound it, and a deferral may follow a deferral for
+    as long as the agents refuse to call.
     ``input_model``: the pydantic model a task's input must satisfy, checked on every way in (client, CLI,
     HTTP, outbox) before anything is produced, so a missing or mistyped field is refused naming it instead
     of running the task with it; None accepts any JSON object.
@@ -178,6 +194,7 @@ class Workflow:
     long_backoff_s: float = 300.0
     backoff_rounds: int = 3
     after_backoff: Literal["error", "compensate"] = "error"
+    step_total_s: float | None = None
     sensitive_input: frozenset[str] = frozenset()
     sensitive_retention_s: float | None = None
 
@@ -193,6 +210,8 @@ class Workflow:
             raise ValueError(f"workflow {self.name}: failure_threshold must be at least 1")
         if self.long_backoff_s <= 0 or self.backoff_rounds < 0:
             raise ValueError(f"workflow {self.name}: long_backoff_s must be positive and backoff_rounds not negative")
+        if self.step_total_s is not None and self.step_total_s <= 0:
+            raise ValueError(f"workflow {self.name}: step_total_s must be positive (or None: no total time)")
         if not all(isinstance(n, str) and n for n in self.sensitive_input):
             raise ValueError(f"workflow {self.name}: sensitive_input names fields, each a non-empty string")
         if self.sensitive_retention_s is not None and (self.sensitive_retention_s <= 0 or not self.has_sensitive_data):

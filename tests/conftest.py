@@ -101,20 +101,9 @@ def layout(bootstrap: str) -> TopicLayout:
 @pytest.fixture
 def test_env(bootstrap: str, layout: TopicLayout, tmp_path: Path) -> dict[str, str]:
     """Environment for service subprocesses started by a test: same cluster, same prefix, short cadences."""
-    return {
-        **os.environ,
-        "STEPSTREAM_BOOTSTRAP_SERVERS": bootstrap,
-        "STEPSTREAM_TOPIC_PREFIX": layout.prefix,
-        "STEPSTREAM_PARTITIONS": str(layout.partitions),
-        "STEPSTREAM_HOME": str(tmp_path / "home"),
-        "STEPSTREAM_CONSUMER_POLL_TIMEOUT_S": "0.1",
-        "STEPSTREAM_CONSUMER_COMMIT_INTERVAL_MS": "100",
-        "STEPSTREAM_CONSUMER_SESSION_TIMEOUT_MS": "6000",
-        "STEPSTREAM_CONSUMER_DRAIN_TIMEOUT_S": "20",
-        "STEPSTREAM_CONSUMER_RETRY_INITIAL_BACKOFF_S": "0.05",
-        "STEPSTREAM_CONSUMER_RETRY_MAX_BACKOFF_S": "0.5",
-        "PYTHONUNBUFFERED": "1",
-    }
+    from tests.system import service_env
+
+    return service_env(bootstrap, layout, tmp_path / "home")
 
 
 @pytest.fixture

@@ -46,13 +46,21 @@ def state_document(state: TaskState) -> dict[str, Any]:
     return json.loads(json.dumps(dataclasses.asdict(state), default=_plain))  # type: ignore[no-any-return]
 
 
+DERIVED = frozenset({"first_started_at"})
+"""Fields added to the state after recordings were made whose value the fold derives from events those
+recordings already hold (``first_started_at``: the step's first ``StepStarted``), so an old history folds
+into a value for them that its recording could not show."""
+
+
 def as_recorded(today: Any, recorded: Any) -> Any:
     """Today's state document in the shape of a recording made before fields were added to the state: a field
     the recording lacks is left out when it holds an empty value (None, 0, empty) -- what an old history folds
-    into, since it has no event that could set it -- and kept otherwise, so the comparison shows it."""
+    into, since it has no event that could set it -- or is one of ``DERIVED``, and kept otherwise, so the
+    comparison shows it."""
     if isinstance(today, dict) and isinstance(recorded, dict):
         return {key: as_recorded(value, recorded[key]) if key in recorded else value
-                for key, value in today.items() if key in recorded or value not in (None, 0, "", [], {})}
+                for key, value in today.items()
+                if key in recorded or (key not in DERIVED and value not in (None, 0, "", [], {}))}
     if isinstance(today, list) and isinstance(recorded, list) and len(today) == len(recorded):
         return [as_recorded(t, r) for t, r in zip(today, recorded, strict=True)]
     return today

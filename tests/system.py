@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import sqlite3
 import subprocess
@@ -29,6 +30,24 @@ from tests.kafka_helpers import wait_for
 
 AGENTS = ("inventory", "payments", "shipping")
 ROOT = Path(__file__).parent.parent
+
+
+def service_env(bootstrap: str, layout: TopicLayout, home: Path) -> dict[str, str]:
+    """Environment for service subprocesses: same cluster, same prefix, short cadences."""
+    return {
+        **os.environ,
+        "STEPSTREAM_BOOTSTRAP_SERVERS": bootstrap,
+        "STEPSTREAM_TOPIC_PREFIX": layout.prefix,
+        "STEPSTREAM_PARTITIONS": str(layout.partitions),
+        "STEPSTREAM_HOME": str(home),
+        "STEPSTREAM_CONSUMER_POLL_TIMEOUT_S": "0.1",
+        "STEPSTREAM_CONSUMER_COMMIT_INTERVAL_MS": "100",
+        "STEPSTREAM_CONSUMER_SESSION_TIMEOUT_MS": "6000",
+        "STEPSTREAM_CONSUMER_DRAIN_TIMEOUT_S": "20",
+        "STEPSTREAM_CONSUMER_RETRY_INITIAL_BACKOFF_S": "0.05",
+        "STEPSTREAM_CONSUMER_RETRY_MAX_BACKOFF_S": "0.5",
+        "PYTHONUNBUFFERED": "1",
+    }
 
 
 class System:

@@ -16,7 +16,7 @@ MODULES = sorted(path.stem for path in (ROOT / "benchmarks").glob("*.py") if pat
 
 def test_every_benchmark_is_listed() -> None:
     assert MODULES == ["agent_calls", "event_store", "replay", "restore", "scaling", "sealing", "submit", "timers",
-                       "workflow"]
+                       "waiting_out_kills", "workflow"]
 
 
 @pytest.mark.parametrize("module", MODULES)

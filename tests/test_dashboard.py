@@ -8,12 +8,14 @@ check that such a table shows a single "none" row and the page still draws every
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,6 +23,7 @@ import httpx
 import pytest
 import uvicorn
 from confluent_kafka import Consumer, TopicPartition
+from fastapi import FastAPI
 
 from eventstore.dlq import DeadLetter, dlq_headers
 from eventstore.producer import EventProducer
@@ -29,13 +32,21 @@ from eventstore.topics import TopicLayout
 from projections.dlq_rows import project_dead_letter
 from projections.lag import LagReader
 from projections.store import Positioned, SqliteStore
+from scheduler.decider import Limits, decide, fold
+from scheduler.workflow import Backoff, Step, Workflow, WorkflowRegistry
+from schemas.messages import Event, StepResult, SubmitTask
 from schemas.states import TaskStatus
+from stepstream.http.admission import GlobalAdmission
 from stepstream.http.app import create_app
+from stepstream.http.settings import ApiSettings
+from stepstream.http.writer import TaskWriter
+from stepstream.http.writes import write_router
 from tests.histories import histories, publish
 from tests.kafka_helpers import wait_for
+from tests.test_task_api import inbox
 
 if TYPE_CHECKING:
-    from playwright.sync_api import Browser, Page
+    from playwright.sync_api import Browser, Locator, Page
 
 pytestmark = pytest.mark.kafka
 
@@ -44,6 +55,10 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
 STATES = tuple(TaskStatus)  # the page's tiles: one per task state, as the server wrote them into the page
 TABLES = ("dlq-kinds", "stuck", "failed", "lag", "alerts", "tasks")  # filled from the API (compensation: fixed rows)
+OPERATOR_TOKEN = "ops-secret"
+# One step that waits ten minutes after a failure: its tasks stay in the waiting table while the test acts.
+WAITING_REGISTRY = WorkflowRegistry.of([Workflow("wait", 1, (Step("pay", "payments",
+                                                                  backoff=Backoff(initial_s=600, max_s=600)),))])
 
 
 def _chromium() -> str:
@@ -84,11 +99,11 @@ def store(tmp_path: Path) -> Iterator[SqliteStore]:
         opened.close()
 
 
-@pytest.fixture
-def api_url(store: SqliteStore, bootstrap: str, layout: TopicLayout) -> Iterator[str]:
+@contextlib.contextmanager
+def serving(app: FastAPI) -> Iterator[str]:
+    """``app`` served on a free port in a thread; its base URL."""
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
-    app = create_app(store, layout, LagReader(bootstrap, layout.prefix, cache_s=0.2))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()
@@ -98,6 +113,13 @@ def api_url(store: SqliteStore, bootstrap: str, layout: TopicLayout) -> Iterator
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+@pytest.fixture
+def api_url(store: SqliteStore, bootstrap: str, layout: TopicLayout) -> Iterator[str]:
+    """The read-only API (no token configured, so no writes), as ``stepstream serve api`` without tokens."""
+    with serving(create_app(store, layout, LagReader(bootstrap, layout.prefix, cache_s=0.2))) as url:
+        yield url
 
 
 @pytest.fixture
@@ -113,16 +135,42 @@ def browser() -> Iterator[Browser]:
             launched.close()
 
 
-@pytest.fixture
-def dashboard(browser: Browser, api_url: str) -> Iterator[Dashboard]:
-    """The page after its first refresh, whether that refresh drew everything or failed."""
+@contextlib.contextmanager
+def page_on(browser: Browser, api_url: str) -> Iterator[Dashboard]:
+    """A page of ``browser`` for the API at ``api_url``, noting every error the browser reports."""
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     opened = Dashboard(page, httpx.Client(base_url=api_url))
     page.on("console", lambda msg: opened.errors.append(msg.text) if msg.type == "error" else None)
     page.on("pageerror", lambda exc: opened.errors.append(str(exc)))
-    yield opened
-    opened.api.close()
-    page.close()
+    try:
+        yield opened
+    finally:
+        opened.api.close()
+        page.close()
+
+
+@pytest.fixture
+def dashboard(browser: Browser, api_url: str) -> Iterator[Dashboard]:
+    with page_on(browser, api_url) as opened:
+        yield opened
+
+
+@pytest.fixture
+def operator_dashboard(browser: Browser, store: SqliteStore, bootstrap: str, layout: TopicLayout
+                       ) -> Iterator[Dashboard]:
+    """The page over an API with its write side, as ``stepstream serve api`` with an operator's token: commands
+    reach the real inbox topic (no scheduler runs, so each is answered 202, on the log and not decided yet)."""
+    settings = ApiSettings(tokens={"ops": OPERATOR_TOKEN}, decision_timeout_s=1)
+    lag = LagReader(bootstrap, layout.prefix, cache_s=0.2)
+    writer = TaskWriter(bootstrap=bootstrap, layout=layout, store=store, registry=WAITING_REGISTRY,
+                        admission=GlobalAdmission(store, lag, layout, settings.max_in_flight,
+                                                  settings.admission_refresh_s), settings=settings)
+    try:
+        with serving(create_app(store, layout, lag, [write_router(writer, settings)])) as url, \
+                page_on(browser, url) as opened:
+            yield opened
+    finally:
+        writer.close()
 
 
 def _open(dashboard: Dashboard) -> None:
@@ -215,3 +263,54 @@ def test_a_busy_system_is_redrawn_as_its_store_changes_without_a_browser_error(
     assert not dashboard.shows_none("stuck")
     dashboard.screenshot("dashboard-busy.png")
     assert dashboard.errors == []
+
+
+def _waiting(store: SqliteStore, layout: TopicLayout, task_ids: list[str]) -> None:
+    """Tasks whose only step failed once and waits ten minutes for its next attempt, as the scheduler decided."""
+    events: list[Event] = []
+    for task_id in task_ids:
+        accepted = decide(SubmitTask(task_id=task_id, workflow="wait", input={}), None, registry=WAITING_REGISTRY,
+                          now=datetime.now(UTC), in_flight=0, limits=Limits())
+        state = fold(accepted.events)
+        assert state is not None and state.current_step is not None
+        failed = decide(StepResult(task_id=task_id, step="pay", attempt_id=state.steps[0].lock or "", ok=False,
+                                   error="503", calls=1, error_kind="server_error"), state,
+                        registry=WAITING_REGISTRY, now=datetime.now(UTC), in_flight=0, limits=Limits())
+        events += [*accepted.events, *failed.events]
+    store.apply_events(layout.events, [Positioned(0, offset, e) for offset, e in enumerate(events)])
+
+
+def test_an_operator_makes_a_waiting_step_try_now_or_cancels_its_task_from_the_dashboard(
+    operator_dashboard: Dashboard, store: SqliteStore, bootstrap: str, layout: TopicLayout,
+) -> None:
+    _waiting(store, layout, ["wait-1", "wait-2"])
+    _open(operator_dashboard)
+    page = operator_dashboard.page
+    assert operator_dashboard.rows("waiting") == 2
+
+    def answered(text: str) -> None:
+        page.wait_for_function(f"document.getElementById('command-answer').textContent.startsWith({text!r})",
+                               timeout=30000)
+
+    def button(task_id: str, label: str) -> Locator:
+        return page.locator("#waiting tbody tr", has_text=task_id).get_by_role("button", name=label)
+
+    button("wait-1", "try now").click()
+    answered("enter an operator token")
+    assert inbox(layout, bootstrap, timeout_s=1) == [], "without a token the page sends nothing"
+
+    page.fill("#operator-token", OPERATOR_TOKEN)
+    button("wait-1", "try now").click()
+    answered("try-now wait-1: HTTP 202 pending")
+    page.once("dialog", lambda dialog: dialog.dismiss())
+    button("wait-2", "cancel").click()
+    assert page.inner_text("#command-answer").startswith("try-now wait-1"), "a cancel not confirmed sends nothing"
+    page.once("dialog", lambda dialog: dialog.accept())
+    button("wait-2", "cancel").click()
+    answered("cancel wait-2: HTTP 202 pending")
+
+    commands = sorted((c.task_id, c.action, c.step, c.operator) for c in inbox(layout, bootstrap))
+    assert commands == [("wait-1", "try-now", "pay", "ops"), ("wait-2", "cancel", None, "ops")]
+    assert page.locator("#timeline li").count() == 0, "a button is not a click on its row (the timeline)"
+    operator_dashboard.screenshot("dashboard-operator.png")
+    assert operator_dashboard.errors == []

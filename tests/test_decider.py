@@ -860,4 +860,5 @@ def test_ignored_messages_late_results_and_alerts_may_follow_a_terminal_state_an
 def test_evolve_builds_a_step_when_its_first_attempt_starts() -> None:
     state = evolve(evolve(None, accepted()), start(2))
     assert state.status == "running" and state.current_step == 0
-    assert state.steps == (StepState("reserve", "processing", 1, "t1:reserve:1", Lease(NOW, NOW), calls_allowed=1),)
+    assert state.steps == (StepState("reserve", "processing", 1, "t1:reserve:1", Lease(NOW, NOW), calls_allowed=1,
+                                     first_started_at=NOW),)

@@ -102,8 +102,9 @@ REGISTRY = WorkflowRegistry.of([
         (
             Step("h", "agent-h", timeout_s=4, attempt_budget=4, calls_per_attempt=2,
                  backoff=Backoff(initial_s=5, multiplier=2, max_s=20),
-                 compensation=Compensation("undo-h", timeout_s=2, attempt_budget=3, calls_per_attempt=1,
-                                           backoff=Backoff(initial_s=3, max_s=10))),
+                 compensation=Compensation("undo-h", timeout_s=2, attempt_budget=5, calls_per_attempt=1,
+                                           backoff=Backoff(initial_s=3, max_s=10), long_backoff_s=30,
+                                           backoff_rounds=1)),
             Step("i", "agent-i", timeout_s=4, attempt_budget=3, calls_per_attempt=2, backoff=Backoff(initial_s=1)),
         ),
         failure_threshold=3,
@@ -112,6 +113,10 @@ REGISTRY = WorkflowRegistry.of([
         backoff_rounds=1,
         after_backoff="compensate",
     ),
+    # Rounds enough for minutes, but a step may be retried for 45 s from its first attempt only.
+    Workflow("flow", 5, (Step("j", "agent-j", timeout_s=4, attempt_budget=20, calls_per_attempt=1,
+                              backoff=Backoff(initial_s=2, max_s=8)),),
+             failure_threshold=2, escalation="backoff", long_backoff_s=20, backoff_rounds=5, step_total_s=45),
 ])
 LIMITS = Limits(max_in_flight=2)
 TASKS = ("t1", "t2", "t3")
@@ -139,7 +144,7 @@ class DeciderMachine(RuleBasedStateMachine):
     # ---- commands -------------------------------------------------------------------------------
 
     @rule(task=tasks, workflow=st.sampled_from([("flow", None), ("flow", 1), ("flow", 2), ("flow", 3),
-                                                ("flow", 4), ("nope", None)]),
+                                                ("flow", 4), ("flow", 5), ("nope", None)]),
           data=st.sampled_from([{"n": 1}, {"n": 2}]))
     def submit(self, task: str, workflow: tuple[str, int | None], data: dict[str, int]) -> None:
         name, version = workflow
@@ -305,7 +310,7 @@ class DeciderMachine(RuleBasedStateMachine):
         suggested = timedelta(seconds=command.retry_after_s or 0) if isinstance(command, StepResult) else timedelta()
         for timer in (e for e in events if isinstance(e, StepRetryScheduled)):
             note("timer set" + (" (deferral)" if timer.deferred_attempt_id else " (new round)" if timer.new_round
-                                else ""))
+                                else "") + (" of an undo" if timer.compensation else ""))
             assert timer.not_before >= now + suggested, "the next attempt waits at least what the agent asked"
         if isinstance(command, StepResult) and command.deferred and before is not None \
                 and before.current_step is not None and before.steps[before.current_step].lock == command.attempt_id \
@@ -397,10 +402,11 @@ class DeciderMachine(RuleBasedStateMachine):
     def check_monotonic(before: TaskState, after: TaskState, events: tuple[Event, ...]) -> None:
         """Steps are never forgotten; attempt numbers only grow; failure counts and calls used only grow,
         except that an operator's resubmit or retry opens a new round for the step it names (and a long
-        back-off's new round starts the failure count again, never the calls used)."""
+        back-off's new round, of the step or of its undo, starts the failure count again, never the calls used)."""
         resubmitted = {e.step for e in events if isinstance(e, StepResubmitted)
-                       or (isinstance(e, StepRetryScheduled) and e.new_round)}
+                       or (isinstance(e, StepRetryScheduled) and e.new_round and not e.compensation)}
         retried = {e.step for e in events if isinstance(e, CompensationRetried)}
+        undo_rounds = {e.step for e in events if isinstance(e, StepRetryScheduled) and e.new_round and e.compensation}
         assert len(after.steps) >= len(before.steps)
         for old, new in zip(before.steps, after.steps, strict=False):
             assert new.name == old.name
@@ -410,8 +416,9 @@ class DeciderMachine(RuleBasedStateMachine):
                 assert new.failure_count >= old.failure_count
             if old.name not in {e.step for e in events if isinstance(e, StepResubmitted)}:
                 assert new.calls_used >= old.calls_used
-            if old.name not in retried:
+            if old.name not in retried | undo_rounds:
                 assert new.compensation.failure_count >= old.compensation.failure_count
+            if old.name not in retried:
                 assert new.compensation.calls_used >= old.compensation.calls_used
 
     # ---- invariants over every task -------------------------------------------------------------
@@ -564,6 +571,31 @@ class DeciderMachine(RuleBasedStateMachine):
                     not_before = timers.get((e.step, isinstance(e, StepCompensationStarted), e.attempt))
                     assert not_before is None or e.occurred_at >= not_before, \
                         f"{e.attempt_id} started at {e.occurred_at}, its timer said {not_before}"
+
+    @invariant()
+    def no_retry_of_a_step_is_set_or_started_at_once_past_the_steps_total_time(self) -> None:
+        """A timer's ``not_before``, and an attempt started at once after a failure, are within the workflow's
+        ``step_total_s`` of the step's first attempt (again from an operator's resubmit); deferrals included."""
+        for task, history in self.histories.items():
+            state = self.states[task]
+            total_s = REGISTRY.get(state.workflow, state.workflow_version).step_total_s if state else None
+            if total_s is None:
+                continue
+            total = timedelta(seconds=total_s)
+            first: dict[str, datetime] = {}
+            timed: set[tuple[str, int]] = set()
+            for e in history:
+                if isinstance(e, StepResubmitted):
+                    first.pop(e.step, None)
+                elif isinstance(e, StepRetryScheduled) and not e.compensation:
+                    timed.add((e.step, e.attempt))
+                    assert e.not_before <= first[e.step] + total, f"{e.step}: a timer past the total time"
+                elif isinstance(e, StepStarted):
+                    at_once = e.step in first and (e.step, e.attempt) not in timed
+                    assert not at_once or e.occurred_at <= first[e.step] + total, f"{e.attempt_id} past the total"
+                    first.setdefault(e.step, e.occurred_at)
+                elif "total time" in getattr(e, "reason", ""):
+                    note("a step gave up at its total time")
 
     @invariant()
     def attempt_ids_are_never_reused(self) -> None:

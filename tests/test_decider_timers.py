@@ -24,6 +24,7 @@ from schemas.messages import (
     StepRetryScheduled,
     StepStarted,
     SubmitTask,
+    TaskFailed,
 )
 from schemas.messages import RetryDue as Fire
 
@@ -34,7 +35,14 @@ FLOW = Workflow("flow", 1, (Step("pay", "payments", attempt_budget=4, calls_per_
                 failure_threshold=3, escalation="compensate")
 PATIENT = Workflow("patient", 1, (Step("pay", "payments", attempt_budget=5, calls_per_attempt=1, backoff=BACKOFF),),
                    failure_threshold=2, escalation="backoff", long_backoff_s=600, backoff_rounds=1)
-REGISTRY = WorkflowRegistry.of([FLOW, PATIENT])
+# Rounds enough for ten minutes, but a step may only be retried for a minute from its first attempt.
+BOUNDED = Workflow("bounded", 1, (Step("pay", "payments", attempt_budget=50, calls_per_attempt=1, backoff=BACKOFF),),
+                   failure_threshold=2, escalation="backoff", long_backoff_s=30, backoff_rounds=10, step_total_s=60)
+# An undo that waits two minutes for a fresh round of attempts, once, before it gives up.
+UNDO_WAITS = Workflow("undo-waits", 1, (Step("pay", "payments", backoff=BACKOFF, compensation=Compensation(
+    "refund", attempt_budget=20, calls_per_attempt=1, backoff=BACKOFF, long_backoff_s=120, backoff_rounds=1)),),
+    failure_threshold=2, escalation="compensate")
+REGISTRY = WorkflowRegistry.of([FLOW, PATIENT, BOUNDED, UNDO_WAITS])
 
 
 def run(state: TaskState | None, command: Command, now: datetime = NOW) -> tuple[TaskState, tuple[Event, ...]]:
@@ -170,6 +178,104 @@ def test_past_the_threshold_a_backoff_escalation_waits_the_long_period_then_star
     state, _ = run(state, fire_for(again), again.not_before)
     state, events = run(state, failure(state), again.not_before)  # no rounds left: after_backoff (error)
     assert state.status == "error" and [type(e).__name__ for e in events][-2:] == ["TaskFailed", "OperatorAlert"]
+
+
+def bounded() -> TaskState:
+    state, _ = run(None, SubmitTask(task_id="t", workflow="bounded", input={}))
+    return state
+
+
+def test_deferrals_count_against_a_steps_total_time_and_one_that_would_end_past_it_escalates_instead() -> None:
+    state, now = bounded(), NOW
+    for _ in range(2):  # an open breaker for 25 s, twice: each deferral waits, neither is a failure
+        state, events = run(state, failure(state, calls=0, kind="breaker_open", retry_after_s=25), now)
+        timer = last_timer(events)
+        assert timer.deferred_attempt_id and state.steps[0].failure_count == 0
+        now = timer.not_before
+        state, _ = run(state, fire_for(timer), now)
+    assert now == NOW + timedelta(seconds=50)
+    state, events = run(state, failure(state, calls=0, kind="breaker_open", retry_after_s=25), now)
+    assert [type(e).__name__ for e in events] == ["StepFailed", "TaskFailed", "OperatorAlert"], \
+        "a third deferral would end 75 s after the first attempt, past the minute: the step gives up instead"
+    gave_up = events[0]
+    assert isinstance(gave_up, StepFailed) and gave_up.calls == 0 and "total time" in gave_up.error
+    assert state.status == "error" and state.steps[0].calls_used == 0, "giving up charged no call"
+
+
+def test_a_steps_back_off_rounds_end_at_its_total_time_although_rounds_are_left() -> None:
+    state, now = bounded(), NOW
+    state, events = run(state, failure(state), now)  # back-off 2 s
+    now = last_timer(events).not_before
+    state, _ = run(state, fire_for(last_timer(events)), now)
+    state, events = run(state, failure(state), now)  # the threshold: a long back-off of 30 s, within the minute
+    long = last_timer(events)
+    assert long.new_round and long.not_before == NOW + timedelta(seconds=32)
+    state, _ = run(state, fire_for(long), long.not_before)
+    state, events = run(state, failure(state), long.not_before)  # back-off 2 s: 34 s
+    now = last_timer(events).not_before
+    state, _ = run(state, fire_for(last_timer(events)), now)
+    state, events = run(state, failure(state), now)  # the threshold again: another long one would end at 64 s
+    assert [type(e).__name__ for e in events] == ["StepFailed", "TaskFailed", "OperatorAlert"]
+    assert state.status == "error" and state.steps[0].rounds == 1, "nine rounds were left; the minute was not"
+    failed = events[1]
+    assert isinstance(failed, TaskFailed) and "failure threshold" in failed.reason and "total time" in failed.reason
+
+    resubmitted, events = run(state, OperatorCommand(task_id="t", command_id="c1", action="resubmit"),
+                              now + timedelta(minutes=5))
+    assert [type(e).__name__ for e in events][-1] == "StepStarted"
+    _, events = run(resubmitted, failure(resubmitted), now + timedelta(minutes=5))
+    assert isinstance(events[-1], StepRetryScheduled), "an operator's resubmit starts the step's total time again"
+
+
+def test_a_total_time_for_a_step_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="step_total_s"):
+        Workflow("w", 1, (Step("s", "a"),), step_total_s=0)
+
+
+def failing_undo(rounds: int) -> tuple[TaskState, datetime, list[StepRetryScheduled]]:
+    """A task of ``undo-waits`` whose step was refused for good, then whose undo failed ``rounds`` full rounds
+    (two failed attempts each, every timer fired when due): its state, the clock, and the undo's timers."""
+    state, _ = run(None, SubmitTask(task_id="t", workflow="undo-waits", input={}))
+    state, _ = run(state, failure(state).model_copy(update={"permanent": True}))
+    assert state.status == "compensating"
+    now, timers = NOW, []
+    for _ in range(2 * rounds):
+        state, events = run(state, failure(state), now)
+        if isinstance(events[-1], StepRetryScheduled):
+            timers.append(events[-1])
+            now = events[-1].not_before
+            state, _ = run(state, fire_for(events[-1]), now)
+    return state, now, timers
+
+
+def test_an_undo_past_the_threshold_waits_the_long_period_for_a_fresh_round_instead_of_failing() -> None:
+    state, now, timers = failing_undo(rounds=1)
+    assert [(t.compensation, t.new_round) for t in timers] == [(True, False), (True, True)]
+    long = timers[-1]
+    assert long.not_before - timers[0].not_before == timedelta(seconds=120) and "undo round 2 of 2" in long.reason
+    undo = state.steps[0].compensation
+    assert (state.status, undo.failure_count, undo.rounds, undo.calls_used) == ("compensating", 0, 1, 2), \
+        "the fresh round starts the undo's failure count again, never its budget"
+    state, events = run(state, StepResult(task_id="t", step="pay", attempt_id=undo.attempt_id or "", ok=True,
+                                          output={}, calls=1), now)
+    assert state.status == "compensated" and [type(e).__name__ for e in events][-1] == "TaskCompensated"
+
+
+def test_an_undo_whose_long_back_off_rounds_are_spent_fails_for_an_operator() -> None:
+    state, _, timers = failing_undo(rounds=2)
+    assert [t.new_round for t in timers] == [False, True, False]
+    assert state.status == "compensation_failed" and state.steps[0].compensation.rounds == 1
+
+
+def test_an_undo_without_long_back_off_rounds_fails_at_its_threshold_as_before() -> None:
+    state = started()  # flow: its refund declares no rounds
+    state, _ = run(state, failure(state).model_copy(update={"permanent": True}))
+    for _ in range(3):
+        state, events = run(state, failure(state), NOW + timedelta(hours=1))
+        if isinstance(events[-1], StepRetryScheduled):
+            assert not events[-1].new_round
+            state, _ = run(state, fire_for(events[-1]), events[-1].not_before)
+    assert state.status == "compensation_failed"
 
 
 def test_the_demos_orders_workflow_waits_out_a_one_minute_outage_without_failing_or_compensating() -> None:

@@ -193,3 +193,23 @@ def test_past_the_threshold_a_backoff_escalation_waits_the_long_period_then_the_
     assert len(calls) == 4 and calls[2] - calls[1] >= 8.0, "no call while the long back-off ran"
     assert inconsistency("completed", records_per_order(saga.admin.records())["patient"], events,
                          saga.admin.records()["tombstones"]) is None
+
+
+def test_an_undo_that_keeps_failing_waits_the_long_period_for_a_fresh_round_and_then_undoes(saga: System) -> None:
+    saga.admin.set_faults("shipping/create", permanent_error_rate=1.0)  # the shipment refused: undo the rest
+    saga.admin.set_faults("payments/refund", fail_next=2)  # the refund's first round fails (the threshold)
+    start(saga)
+    saga.submit("undo-waits", workflow="orders-undo-waits")
+    assert saga.wait_terminal(["undo-waits"], timeout_s=90) == {"undo-waits": "compensated"}, \
+        "the undo waited instead of leaving the task compensation_failed"
+
+    events = saga.events("undo-waits")
+    undo_timers = [e for e in events if isinstance(e, StepRetryScheduled) and e.compensation]
+    assert [(t.step, t.new_round) for t in undo_timers] == [("charge", False), ("charge", True)]
+    long = undo_timers[1]
+    assert long.not_before - long.occurred_at == timedelta(seconds=5)
+    (calls,) = saga.admin.arrivals()["payments/refund"].values()  # the one refund's key
+    refunds = [a["at"] for a in calls]
+    assert len(refunds) == 3 and refunds[2] - refunds[1] >= 5.0, "no refund call while the long back-off ran"
+    assert inconsistency("compensated", records_per_order(saga.admin.records())["undo-waits"], events,
+                         saga.admin.records()["tombstones"]) is None

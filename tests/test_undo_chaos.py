@@ -19,6 +19,7 @@ import pytest
 from schemas.states import TERMINAL
 from tests.agreement import disagreements
 from tests.kafka_helpers import wait_for
+from tests.kills import inject_faults
 from tests.system import System
 from tests.test_compensation_end_to_end import saga, start
 
@@ -27,14 +28,6 @@ __all__ = ["saga"]
 pytestmark = pytest.mark.kafka
 
 TASKS = 240
-
-
-def inject_faults(system: System) -> None:
-    """Every operation errs or throttles now and then; charges answer around the agents' 1.5 s call timeout
-    (0.6-1.8 s, a quarter of them after the caller gave up); a shipment in seven is refused for good."""
-    system.admin.set_faults(error_rate=0.05, throttle_rate=0.05, retry_after_s=1)
-    system.admin.set_faults("payments/charge", latency_ms=600, latency_jitter_ms=1200, error_rate=0.05)
-    system.admin.set_faults("shipping/create", error_rate=0.05, throttle_rate=0.05, permanent_error_rate=0.15)
 
 
 def kill_and_restart(system: System, *names: str) -> None:

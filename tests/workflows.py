@@ -178,9 +178,39 @@ ORDERS_BACKOFF = Workflow(
     after_backoff="compensate",
 )
 
+# An undo that keeps failing waits (tests/test_timers_end_to_end.py): two failed undo attempts (one call each,
+# 0.5 s apart), then 5 s of waiting and a fresh round, up to two more rounds, before the task is left to an
+# operator in compensation_failed.
+ORDERS_UNDO_WAITS = Workflow(
+    name="orders-undo-waits",
+    version=1,
+    steps=_with_undo(_compensated_order_steps(), calls_per_attempt=1, backoff=Backoff(initial_s=0.5, jitter=0.0),
+                     long_backoff_s=5.0, backoff_rounds=2),
+    failure_threshold=2,
+    escalation="compensate",
+)
+
+# orders-chaos that waits (tests/test_waiting_out_kills.py, benchmarks/waiting_out_kills.py): the same steps and
+# threshold, but every attempt (and undo) backs off from 0.5 s (1 s) to 4 s (8 s), and a step past its threshold
+# waits 4 s for a fresh round, up to four times, before it undoes; a budget of 30 calls a step pays for them.
+ORDERS_RIDING = Workflow(
+    name="orders-riding",
+    version=1,
+    steps=tuple(replace(step, attempt_budget=30, backoff=Backoff(initial_s=0.5, max_s=4.0),
+                        compensation=replace(step.compensation, backoff=Backoff(initial_s=1.0, max_s=8.0))
+                        if step.compensation is not None else None)
+                for step in _compensated_order_steps()),
+    failure_threshold=ORDERS_CHAOS.failure_threshold,
+    escalation="backoff",
+    long_backoff_s=4.0,
+    backoff_rounds=4,
+    after_backoff="compensate",
+)
+
 COMPENSATION_REGISTRY = WorkflowRegistry.of([ORDERS_V1, ORDERS_V2, ORDERS_COMP, ORDERS_HOLD, ORDERS_PATIENT,
                                              ORDERS_ONCE, ORDERS_CHAOS, ORDERS_COMP_QUICK_START, ORDERS_UNFENCED,
-                                             ORDERS_WAITING, ORDERS_OUTAGE, ORDERS_BACKOFF])
+                                             ORDERS_WAITING, ORDERS_OUTAGE, ORDERS_BACKOFF, ORDERS_RIDING,
+                                             ORDERS_UNDO_WAITS])
 
 # ---- sensitive inputs (tests/test_sensitive_end_to_end.py) -----------------------------------------
 # The demo's paid order: ``card_token`` is sealed from submission on and opened by the agents only; charge's

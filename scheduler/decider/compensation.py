@@ -14,7 +14,7 @@ from scheduler.decider.attempts import alert_overspend, expiry, in_progress
 from scheduler.decider.decision import Builder
 from scheduler.decider.ids import compensation_attempt_id
 from scheduler.decider.state import StepState
-from scheduler.decider.timers import defer_s, schedule, wait_s
+from scheduler.decider.timers import defer_s, schedule, suggested_s, wait_s
 from scheduler.workflow import Compensation, Workflow
 from schemas.messages import (
     CompensationStarted,
@@ -152,19 +152,22 @@ def on_compensation_timeout(builder: Builder, workflow: Workflow, recover: Recov
 def _retry_compensation_or_fail(builder: Builder, workflow: Workflow, index: int,
                                 result: StepResult | None = None) -> None:
     """The workflow's failure threshold bounds a compensation's failed attempts as it bounds a step's; below
-    it the next undo attempt waits out the compensation's back-off like a forward retry."""
+    it the next undo attempt waits out the compensation's back-off like a forward retry. Past it, an undo
+    with long back-off rounds left (and budget) waits the long period for a fresh round instead of failing."""
     step = builder.state.steps[index]
     undo = step.compensation
-    if undo.failure_count >= workflow.failure_threshold:
-        _compensation_failed(
-            builder,
-            workflow,
-            step.name,
-            f"failure threshold reached: {undo.failure_count} failed attempts of the compensation "
-            f"of step {step.name!r} (threshold {workflow.failure_threshold})",
-        )
-        return
     compensation = _compensation_of(workflow, index)
+    if undo.failure_count >= workflow.failure_threshold:
+        reason = (f"failure threshold reached: {undo.failure_count} failed attempts of the compensation "
+                  f"of step {step.name!r} (threshold {workflow.failure_threshold})")
+        if undo.rounds < compensation.backoff_rounds and compensation.attempt_budget - undo.calls_used > 0:
+            schedule(builder, index, undo.attempt + 1, max(compensation.long_backoff_s, suggested_s(result)),
+                     f"long back-off: {reason}; undo round {undo.rounds + 2} of {compensation.backoff_rounds + 1} "
+                     f"after {compensation.long_backoff_s:g}s", compensation=True,
+                     kind=result.error_kind if result is not None else "timeout", new_round=True)
+            return
+        _compensation_failed(builder, workflow, step.name, reason)
+        return
     delay = wait_s(compensation.backoff, undo.failure_count, undo.attempt_id or step.name, result)
     if delay <= 0 or compensation.attempt_budget - undo.calls_used <= 0:
         start_compensation_attempt(builder, workflow, index)

@@ -3,7 +3,8 @@
 ``_escalate`` is the one place that decides what giving up on a step does to its task. A retry that must
 wait (the step's back-off, the agent's suggested delay) is a timer (``scheduler.decider.timers``); an
 attempt the agent refused without calling (open breaker, spent retry budget) is deferred by one, and is
-not a failed attempt.
+not a failed attempt. No retry starts past the workflow's total time for a step (``step_total_s``): the
+step escalates instead, a deferral that would end past it included.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from scheduler.decider.compensation import begin_compensation
 from scheduler.decider.decision import Builder
 from scheduler.decider.ids import attempt_id
 from scheduler.decider.state import StepState
-from scheduler.decider.timers import defer_s, schedule, suggested_s, wait_s
+from scheduler.decider.timers import defer_s, not_before, past_total, schedule, suggested_s, wait_s
 from scheduler.workflow import Workflow
 from schemas.messages import (
     OperatorAlert,
@@ -33,9 +34,16 @@ def on_result(builder: Builder, workflow: Workflow, result: StepResult) -> None:
     """The current attempt's agent answered: move on to the next step, retry, or escalate."""
     index, current = in_progress(builder.state)
     if result.deferred:
-        spec = workflow.steps[index]
-        schedule(builder, index, current.attempt + 1,
-                 defer_s(spec.backoff, current.failure_count, f"{current.attempt_id}/deferred", result),
+        delay = defer_s(workflow.steps[index].backoff, current.failure_count, f"{current.attempt_id}/deferred", result)
+        if (late := past_total(workflow, current, not_before(builder.now, delay))) is not None:
+            # The attempt made no call, but the step gives up: it ends failed (charging nothing) so that
+            # escalating finds it ended, as after any other last failure.
+            builder.emit(StepFailed, step=current.name, attempt_id=current.attempt_id,
+                         error=f"deferred without a call ({result.error}); {late}", permanent=False, calls=0,
+                         failure_count=current.failure_count + 1)
+            _escalate(builder, workflow, current.name, late)
+            return
+        schedule(builder, index, current.attempt + 1, delay,
                  f"attempt {current.attempt_id} deferred without a call: {result.error}", compensation=False,
                  kind=result.error_kind, deferred_attempt_id=current.attempt_id)
         return
@@ -84,7 +92,8 @@ def _retry_or_escalate(builder: Builder, workflow: Workflow, index: int, result:
     """Below the workflow's failure threshold, a transiently failed step gets another attempt: after its
     back-off (and the agent's suggested delay), or at once when there is none to wait.
 
-    A step with no budget left escalates now rather than after a wait that could only end in escalating.
+    A step with no budget left escalates now rather than after a wait that could only end in escalating;
+    so does one whose next attempt would start past the workflow's total time for a step.
     """
     step = builder.state.steps[index]
     spec = workflow.steps[index]
@@ -94,13 +103,20 @@ def _retry_or_escalate(builder: Builder, workflow: Workflow, index: int, result:
                   f"(threshold {workflow.failure_threshold})")
         if (workflow.escalation == "backoff" and step.rounds < workflow.backoff_rounds
                 and spec.attempt_budget - step.calls_used > 0):
-            schedule(builder, index, step.attempt + 1, max(workflow.long_backoff_s, suggested_s(result)),
-                     f"long back-off: {reason}; round {step.rounds + 2} of {workflow.backoff_rounds + 1} after "
-                     f"{workflow.long_backoff_s:g}s", compensation=False, kind=kind, new_round=True)
-            return
+            long_s = max(workflow.long_backoff_s, suggested_s(result))
+            late = past_total(workflow, step, not_before(builder.now, long_s))
+            if late is None:
+                schedule(builder, index, step.attempt + 1, long_s,
+                         f"long back-off: {reason}; round {step.rounds + 2} of {workflow.backoff_rounds + 1} after "
+                         f"{workflow.long_backoff_s:g}s", compensation=False, kind=kind, new_round=True)
+                return
+            reason = f"{reason}; {late}"
         _escalate(builder, workflow, step.name, reason)
         return
     delay = wait_s(spec.backoff, step.failure_count, step.attempt_id or step.name, result)
+    if (late := past_total(workflow, step, not_before(builder.now, delay))) is not None:
+        _escalate(builder, workflow, step.name, late)
+        return
     if delay <= 0 or spec.attempt_budget - step.calls_used <= 0:
         start_attempt(builder, workflow, index)
         return

@@ -65,7 +65,8 @@ class CompensationState:
     """The compensation of one step, as far as it got: its attempts, budget spent and outcome.
 
     Counted apart from the forward step's because it is a different call with its own budget; its
-    attempt numbers are the fencing tokens of the compensating call.
+    attempt numbers are the fencing tokens of the compensating call. ``rounds``: the long back-offs it
+    waited out (``Compensation.backoff_rounds``).
     """
 
     attempt: int = 0
@@ -76,6 +77,7 @@ class CompensationState:
     calls_allowed: int = 0
     output: dict[str, Any] | None = None
     error: str | None = None
+    rounds: int = 0
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,8 @@ class StepState:
     across retries for operators. A ``waiting`` step has a ``timer`` for its next attempt (forward, or of
     its undo while the task compensates) and no attempt in progress. ``rounds`` counts the long back-offs
 (a ``backoff`` escalation) the step has waited out, each followed by a fresh round of attempts.
+    ``first_started_at``: when the step's first attempt started (again after an operator's resubmit), the
+    start of the total time a workflow may bound its retries by (``Workflow.step_total_s``).
     """
 
     name: str
@@ -103,6 +107,7 @@ class StepState:
     compensation: CompensationState = field(default_factory=CompensationState)
     timer: Timer | None = None
     rounds: int = 0
+    first_started_at: datetime | None = None
 
     @property
     def lock(self) -> str | None:
@@ -170,7 +175,7 @@ class TaskState:
         if self.status not in FINAL:
             raise ValueError(f"task {self.task_id!r} is {self.status}: only a finished task is settled")
         return replace(self, input={}, steps=tuple(
-            replace(step, lease=None, output=None, error=None,
+            replace(step, lease=None, output=None, error=None, first_started_at=None,
                     compensation=replace(step.compensation, lease=None, output=None, error=None))
             for step in self.steps))
 

@@ -8,17 +8,19 @@ passed, so a repeated, late or overtaken firing changes nothing, and ``evolve`` 
 waiting step that starts before its timer.
 
 How long to wait is the larger of the step's (or the compensation's) back-off and what the agent learned
-(``Retry-After``, an open breaker's remaining time): the service's word is a floor, never shortened.
+(``Retry-After``, an open breaker's remaining time): the service's word is a floor, never shortened. A
+workflow's ``step_total_s`` bounds when a forward step's retry may start (``past_total``): a retry it would
+put later is not scheduled, and the step escalates instead.
 """
 
 from __future__ import annotations
 
 import math
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from scheduler.decider.decision import Builder
-from scheduler.decider.state import TaskState
-from scheduler.workflow import Backoff
+from scheduler.decider.state import StepState, TaskState
+from scheduler.workflow import Backoff, Workflow
 from schemas.avro import utc_millis
 from schemas.messages import ErrorKind, RetryDue, StepResult, StepRetryScheduled
 from schemas.states import StepStatus
@@ -45,17 +47,31 @@ def defer_s(backoff: Backoff, failures: int, seed: str, result: StepResult) -> f
     return max(DEFERRAL_MIN_S, wait_s(backoff, failures, seed, result))
 
 
+def not_before(now: datetime, delay_s: float) -> datetime:
+    """When an attempt ``delay_s`` from ``now`` may start: rounded up to the millisecond the log keeps, so the
+    attempt is never early by a rounding."""
+    return utc_millis(now) + timedelta(milliseconds=math.ceil(delay_s * 1000))
+
+
+def past_total(workflow: Workflow, step: StepState, at: datetime) -> str | None:
+    """Why a retry of ``step`` starting at ``at`` would be past the workflow's total time for a step (its
+    ``step_total_s`` from the step's first attempt), or None when it is within it or there is none."""
+    total_s, first = workflow.step_total_s, step.first_started_at
+    if total_s is None or first is None or at <= first + timedelta(seconds=total_s):
+        return None
+    return (f"total time spent: step {step.name!r} may be retried for {total_s:g}s from its first attempt, "
+            f"and its next attempt could start only {(at - first).total_seconds():.1f}s after it")
+
+
 def schedule(builder: Builder, index: int, attempt: int, delay_s: float, reason: str, *, compensation: bool,
              kind: ErrorKind | None, deferred_attempt_id: str | None = None, new_round: bool = False) -> None:
-    """Record the timer for attempt ``attempt`` of step ``index``: ``not_before`` is ``delay_s`` from now,
-    rounded up to the millisecond the log keeps, so the attempt is never early by a rounding."""
-    not_before = utc_millis(builder.now) + timedelta(milliseconds=math.ceil(delay_s * 1000))
+    """Record the timer for attempt ``attempt`` of step ``index``, ``delay_s`` from now (``not_before``)."""
     builder.emit(
         StepRetryScheduled,
         step=builder.state.steps[index].name,
         step_index=index,
         attempt=attempt,
-        not_before=not_before,
+        not_before=not_before(builder.now, delay_s),
         reason=reason,
         error_kind=kind,
         compensation=compensation,

@@ -167,7 +167,7 @@ def evolve(state: TaskState | None, event: Event) -> TaskState:
             return replace(state, status=TaskStatus.COMPENSATION_FAILED, sequence=event.sequence)
         case StepResubmitted():
             index = _step_in(state, event.step, StepStatus.FAILED)
-            fresh = replace(state.steps[index], failure_count=0, calls_used=0)
+            fresh = replace(state.steps[index], failure_count=0, calls_used=0, first_started_at=None)
             return replace(_with_step(state, event, index, fresh), status=TaskStatus.RUNNING)
         case StepRetryScheduled():
             return _retry_scheduled(state, event)
@@ -270,6 +270,7 @@ def _step_started(state: TaskState, event: StepStarted) -> TaskState:
         lease=Lease(event.occurred_at, event.complete_by, event.start_by),
         calls_allowed=event.calls_allowed,
         timer=None,
+        first_started_at=prior.first_started_at or event.occurred_at,
     )
     steps = (*state.steps[:index], started, *state.steps[index + 1 :])
     return replace(state, status=TaskStatus.RUNNING, sequence=event.sequence, steps=steps, current_step=index)
@@ -354,9 +355,13 @@ def _retry_scheduled(state: TaskState, event: StepRetryScheduled) -> TaskState:
     timer = Timer(event.attempt, event.not_before, event.reason, event.compensation)
     waiting = replace(step, status=StepStatus.WAITING, timer=timer)
     if event.new_round:
-        if event.compensation or event.deferred_attempt_id is not None:
-            raise InvalidTransition(f"a new round of step {step.name!r} follows a failed forward attempt only")
-        waiting = replace(waiting, failure_count=0, rounds=step.rounds + 1)
+        if event.deferred_attempt_id is not None:
+            raise InvalidTransition(f"a new round of step {step.name!r} follows a failed attempt, not a deferral")
+        if event.compensation:
+            undo = step.compensation
+            waiting = replace(waiting, compensation=replace(undo, failure_count=0, rounds=undo.rounds + 1))
+        else:
+            waiting = replace(waiting, failure_count=0, rounds=step.rounds + 1)
     return _with_step(state, event, index, waiting)
 
 

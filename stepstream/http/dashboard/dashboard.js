@@ -41,8 +41,10 @@ function fill(tableId, rows, columns, onClick) {
   for (const row of rows) {
     const tr = el("tr", null, onClick ? {class: "clickable"} : {});
     for (const column of columns) {
-      const [value, cls] = column(row);
-      tr.append(el("td", value, cls ? {class: cls} : {}));
+      const [value, cls] = column(row);  // a value is text, or a node (the row's buttons)
+      const td = el("td", value instanceof Node ? null : value, cls ? {class: cls} : {});
+      if (value instanceof Node) td.append(value);
+      tr.append(td);
     }
     if (onClick) tr.addEventListener("click", () => onClick(row));
     body.append(tr);
@@ -115,6 +117,43 @@ async function showTimeline(taskId) {
   }
 }
 
+// An operator command through the API's write side, under the token typed in the header; the API answers
+// with the scheduler's decision (or 202 while it has not decided), shown under the waiting steps.
+async function command(taskId, action, step) {
+  const answer = document.getElementById("command-answer");
+  const token = document.getElementById("operator-token").value.trim();
+  if (!token) {
+    answer.textContent = "enter an operator token (one of STEPSTREAM_API_TOKENS) to act on tasks";
+    return;
+  }
+  if (action === "cancel" && !confirm(`Cancel task ${taskId}, undoing every step it may have applied?`)) return;
+  answer.textContent = `${action} ${taskId}: sending…`;
+  try {
+    const response = await fetch(`/api/tasks/${encodeURIComponent(taskId)}/commands`, {
+      method: "POST", body: JSON.stringify(step ? {action, step} : {action}),
+      headers: {"content-type": "application/json", accept: "application/json", authorization: `Bearer ${token}`},
+    });
+    const body = await response.json();
+    answer.textContent = [`${action} ${taskId}: HTTP ${response.status}`, body.outcome, body.detail]
+      .filter(Boolean).join(" ");
+  } catch (err) {
+    answer.textContent = `${action} ${taskId}: ${err.message}`;
+  }
+}
+
+function actions(...buttons) {
+  const span = el("span", null, {class: "actions"});
+  for (const [label, onClick] of buttons) {
+    const button = el("button", label, {type: "button"});
+    button.addEventListener("click", event => {
+      event.stopPropagation();  // the row's own click opens the timeline
+      onClick();
+    });
+    span.append(button);
+  }
+  return span;
+}
+
 async function refresh() {
   try {
     const [health, counts, stuck, failed, alerts, dlq, tasks, throughput, queued, waiting] = await Promise.all([
@@ -135,7 +174,9 @@ async function refresh() {
     document.getElementById("queue-waits").textContent = waits.accepted ?
       `${waits.accepted} steps, waited ${seconds(waits.mean_ms)} on average, ${seconds(waits.max_ms)} at most` : "none";
     fill("waiting", waiting.items, [r => [r.task_id], r => [r.step], r => [r.attempt], r => [when(r.retry_at)],
-                                    r => [r.wait_reason, "error"]], pick);
+                                    r => [r.wait_reason, "error"],
+                                    r => [actions(["try now", () => command(r.task_id, "try-now", r.step)],
+                                                  ["cancel", () => command(r.task_id, "cancel")])]], pick);
     fill("failed", failed.items, [r => [r.task_id], r => [r.step], r => [r.status], r => [r.failure_count],
                                   r => [r.error, "error"], r => [when(r.updated_at)]], pick);
     fill("alerts", alerts.items, [r => [when(r.occurred_at)], r => [r.task_id], r => [r.step], r => [r.reason]], pick);

@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
+from eventstore.keys import new_reference
 from scheduler.workflow import Step, Workflow, WorkflowNotFoundError, WorkflowRegistry
 from schemas.messages import Event, StepCompensated, StepSucceeded, SubmitTask, TaskCompleted
 from schemas.sealed import Keyring, SealingError, TaskKey, input_place, is_sealed, sealed_with_task_key
@@ -73,12 +74,15 @@ class SubmissionSealer:
 
     def needs_key(self, command: SubmitTask) -> bool:
         """Whether ``command`` has fields to seal (and so needs its task's data key)."""
-        return bool(self._workflow(command).sensitive_input) and command.data_key is None
+        return bool(self._workflow(command).sensitive_input) and command.data_key is None \
+            and command.key_ref is None
 
     def seal(self, command: SubmitTask, key: TaskKey | None = None) -> SubmitTask:
-        """``command`` with its marked fields sealed with ``key`` (default: a new one; pass a known task's
-        key so a repeat seals to the same bytes) and that key, wrapped, beside them. A submission already
-        carrying a data key is sealed already: it is returned as it is."""
+        """``command`` with its marked fields sealed with ``key``, a known task's (so a repeat seals to the
+        same bytes), or else with a new one, which goes beside them wrapped, with a fresh reference:
+        ``eventstore.keys.KeyProposer`` proposes it on ``keys`` under that reference and takes it off before
+        the submission goes to ``inbox``. A submission already carrying a data key is sealed already: it is
+        returned as it is."""
         if not self.needs_key(command):
             return command
         workflow = self._workflow(command)
@@ -86,9 +90,12 @@ class SubmissionSealer:
             raise SealingError(f"workflow {workflow.name} v{workflow.version} marks input fields sensitive but no "
                                "encryption key is configured (STEPSTREAM_ENCRYPTION_KEYS): refusing to send "
                                "them in clear")
-        key = key or TaskKey.generate()
+        if key is not None:  # the scheduler has this task's key: nothing to propose
+            return command.model_copy(update={"input": seal_input(workflow, command.task_id, command.input, key)})
+        key = TaskKey.generate()
         return command.model_copy(update={"input": seal_input(workflow, command.task_id, command.input, key),
-                                          "data_key": self.keyring.wrap(key, command.task_id)})
+                                          "data_key": self.keyring.wrap(key, command.task_id),
+                                          "key_ref": new_reference()})
 
     def _workflow(self, command: SubmitTask) -> Workflow:
         return self.registry.get(command.workflow, command.workflow_version)

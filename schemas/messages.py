@@ -381,7 +381,11 @@ class SubmitTask(Message):
     submitter: str | None = None
     reply_topic: str | None = None
     data_key: str | None = Field(default=None, description="the task's data key, wrapped by a master key "
-                                 "(kid:base64): what the input's sealed fields were sealed with")
+                                 "(kid:base64): what the input's sealed fields were sealed with. Only older "
+                                 "submitters put it on inbox; a current one proposes it on keys (key_ref)")
+    key_ref: str | None = Field(default=None, description="the reference of the data key the input's sealed "
+                                "fields were sealed with, proposed on the keys topic before this submission "
+                                "(eventstore.keys): the key itself is never on inbox")
 
 
 class StepResult(Message):

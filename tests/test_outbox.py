@@ -45,7 +45,8 @@ def conn(postgres_url: str) -> Iterator[psycopg.Connection[Any]]:
 
 
 def _relay(postgres_url: str, bootstrap: str, layout: TopicLayout, **settings: Any) -> OutboxRelay:
-    return OutboxRelay(OutboxSettings(dsn=postgres_url, **settings), bootstrap=bootstrap, topic=layout.inbox)
+    return OutboxRelay(OutboxSettings(dsn=postgres_url, **settings), bootstrap=bootstrap, topic=layout.inbox,
+                       keys_topic=layout.keys)
 
 
 def _submissions(bootstrap: str, layout: TopicLayout) -> list[SubmitTask]:

@@ -15,7 +15,7 @@ import psycopg
 import pytest
 from confluent_kafka.admin import AdminClient
 
-from eventstore.keys import read_keys
+from eventstore.keys import KeyProposer, read_key_records, read_keys
 from eventstore.producer import EventProducer
 from eventstore.replay import LogRange
 from eventstore.settings import KafkaSettings
@@ -71,6 +71,25 @@ def every_topic(system: System) -> Iterator[tuple[str, bytes]]:
             yield topic, (msg.key() or b"") + (msg.value() or b"") + headers
 
 
+def key_copies(system: System, task_ids: set[str]) -> list[bytes]:
+    """Every form in which the data keys of ``task_ids`` were ever on ``keys`` (as raw as it still holds them):
+    each wrapped key, a task's own or one a submitter proposed, and each data key itself, raw and base64."""
+    keyring = Keyring.parse(K1)
+    copies: list[bytes] = []
+    for msg in LogRange(system.bootstrap, system.layout.keys):
+        task = (msg.key() or b"").decode().split("#")[0]
+        if task in task_ids and msg.value() is not None:
+            key = keyring.unwrap(msg.value().decode(), task).key
+            copies += [msg.value(), key, base64.b64encode(key)]
+    return copies
+
+
+def holding(system: System, copies: list[bytes]) -> set[str]:
+    """The topics other than ``keys`` whose raw bytes hold any of ``copies``."""
+    return {topic for topic, data in every_topic(system)
+            if topic != system.layout.keys and any(copy in data for copy in copies)}
+
+
 def store_tables(system: System) -> str:
     """Every row of every table of the state store, as text."""
     with sqlite3.connect(system.store_path) as db:
@@ -110,7 +129,7 @@ def test_a_card_token_submitted_every_way_in_is_charged_yet_it_and_the_marked_ou
         pending = str(conn.execute("select * from stepstream_outbox.outbox").fetchall())
         assert "tok_by-outbox" not in pending, "the outbox row holds the token sealed"
         with OutboxRelay(OutboxSettings(dsn=postgres_url), bootstrap=system.bootstrap,
-                         topic=system.layout.inbox) as relay:
+                         topic=system.layout.inbox, keys_topic=system.layout.keys) as relay:
             assert relay.drain() == 1
 
     assert system.wait_terminal(tokens, timeout_s=90) == dict.fromkeys(tokens, "completed")
@@ -124,6 +143,7 @@ def test_a_card_token_submitted_every_way_in_is_charged_yet_it_and_the_marked_ou
         python.submit("orders-card", {**order("by-client"), "card_token": "tok_other_9999"}, task_id="by-client")
     contradiction = SubmissionSealer(SENSITIVE_REGISTRY, Keyring.parse(K1)).seal(SubmitTask(
         task_id="by-cli", workflow="orders-card", input={**order("by-cli"), "card_token": "tok_other_9999"}))
+    contradiction, = KeyProposer(system.bootstrap, system.layout.keys, system.layout.inbox).publish([contradiction])
     producer = EventProducer(system.bootstrap)
     producer.send(system.layout.inbox, contradiction)
     producer.flush()
@@ -147,6 +167,14 @@ def test_a_card_token_submitted_every_way_in_is_charged_yet_it_and_the_marked_ou
         assert secret not in metrics, "nor in a metric"
     accepted = next(e for e in system.events("by-http") if isinstance(e, TaskAccepted))
     assert is_sealed(accepted.input["card_token"]) and accepted.input["order_id"] == "by-http"
+
+    # Each way in proposed its key on keys (none on inbox): the scheduler took it and tombstoned the proposal.
+    copies = key_copies(system, set(tokens))
+    assert len(copies) >= 3 * 2 * len(tokens), "each task's own key and the key proposed for it"
+    assert holding(system, copies) == set(), "no data key, wrapped or not, on any other topic"
+    proposals = read_key_records(system.bootstrap, system.layout.keys, {}).proposals
+    assert {name.split("#")[0] for name in proposals} >= set(tokens)
+    assert all(wrapped is None for wrapped in proposals.values()), "every proposal taken and tombstoned"
     http.close()
 
 
@@ -160,6 +188,7 @@ def test_an_erased_task_opens_nowhere_shows_erased_after_a_rebuild_and_cannot_be
         for task in ("forget-me", "keep-me", "forget-me-too"):
             python.submit("orders-card", order(task), task_id=task)
         assert {python.wait(task)["status"] for task in ("forget-me", "keep-me", "forget-me-too")} == {"completed"}
+    copies = key_copies(system, {"forget-me"})
 
     erase = system.cli("task", "erase", "forget-me", "--wait")
     assert erase.returncode == 0, erase.stderr + erase.stdout
@@ -171,8 +200,11 @@ def test_an_erased_task_opens_nowhere_shows_erased_after_a_rebuild_and_cannot_be
     assert by_http.status_code == 200 and by_http.json()["detail"] == "task data erased: its data key is deleted"
     http.close()
 
-    keys = read_keys(system.bootstrap, system.layout.keys, {})
+    records = read_key_records(system.bootstrap, system.layout.keys, {})
+    keys = records.tasks
     assert keys["forget-me"] is None and keys["forget-me-too"] is None, "the tombstone is the last word on keys"
+    assert [wrapped for name, wrapped in records.proposals.items() if name.startswith("forget-me#")] == [None]
+    assert holding(system, copies) == set(), "inbox, events, agent topics, dlq: no copy of the erased key"
     wrapped = keys["keep-me"]
     assert wrapped is not None
     keyring = Keyring.parse(K1)

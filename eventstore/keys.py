@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import secrets
 import threading
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -33,9 +34,17 @@ from eventstore.partitioning import partition_of
 from eventstore.producer import EventProducer
 from eventstore.replay import LogRange
 from schemas.messages import SubmitTask
+from schemas.sealed import Keyring
 
 PROPOSED = ("stepstream-key", b"proposed")
 """The header of a proposed key's record (and of its tombstone): what tells it from a task's own record."""
+
+ROLL = ("stepstream-key", b"roll")
+ROLL_RECORD = "stepstream-keys-roll-" * 10
+"""A marker appended to every partition now and then (``roll``), so an idle partition's active segment
+rolls and the cleaner can remove an erased key (Kafka rolls a segment only when a record is appended).
+Its record key is longer than any task id (200) and has no ``#``: it is no task's record and no proposal;
+its value is empty (a tombstone), so compaction keeps at most one per partition."""
 
 
 def new_reference() -> str:
@@ -65,7 +74,10 @@ def read_key_records(bootstrap: str, topic: str, starts: dict[int, int], partiti
         starts[msg.partition()] = msg.offset() + 1
         if key is None:
             continue
-        into = found.proposals if PROPOSED in (msg.headers() or []) else found.tasks
+        headers = msg.headers() or []
+        if ROLL in headers:
+            continue
+        into = found.proposals if PROPOSED in headers else found.tasks
         into[key.decode()] = None if value is None else value.decode()
     return found
 
@@ -75,6 +87,38 @@ def read_keys(bootstrap: str, topic: str, starts: dict[int, int], partitions: It
     """The tasks' own keys written from ``starts`` to the topic's end: the last record of each task, None
     for a tombstone."""
     return read_key_records(bootstrap, topic, starts, partitions).tasks
+
+
+@dataclass(frozen=True)
+class KeyReport:
+    """How many data keys each master key wraps on ``keys``: a retired master key may be deleted once it
+    wraps none (every scheduler rewrapped its partitions' keys, no proposal of it is waiting)."""
+
+    data_keys: dict[str, int]  # by master key id: the tasks' own keys
+    proposed: dict[str, int]  # by master key id: keys proposed for submissions not taken yet
+    erased: int  # tasks whose tombstone is still on the topic
+
+    def wraps(self, key_id: str) -> int:
+        """The data keys ``key_id`` still wraps, the tasks' and the proposed ones."""
+        return self.data_keys.get(key_id, 0) + self.proposed.get(key_id, 0)
+
+
+def key_report(bootstrap: str, topic: str) -> KeyReport:
+    """Read ``keys`` to its end and count, per master key id, the data keys it wraps (no key is needed:
+    the id is the clear prefix of a wrapped key)."""
+    records = read_key_records(bootstrap, topic, {})
+
+    def per_master(wrapped: Iterable[str | None]) -> dict[str, int]:
+        return dict(Counter(Keyring.wrapped_with(value) for value in wrapped if value is not None))
+
+    return KeyReport(per_master(records.tasks.values()), per_master(records.proposals.values()),
+                     sum(1 for value in records.tasks.values() if value is None))
+
+
+def roll(producer: EventProducer, topic: str, partitions: int) -> None:
+    """Append the roll marker to each partition of ``topic`` (sent; the caller flushes)."""
+    for partition in range(partitions):
+        producer.send_raw(topic, ROLL_RECORD, None, [ROLL], partition=partition)
 
 
 class DataKeys:

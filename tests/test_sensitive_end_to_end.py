@@ -264,6 +264,9 @@ def test_a_new_master_key_seals_new_tasks_old_ones_still_open_and_their_keys_are
     with client(system) as python:
         python.submit("orders-card", order("before-rotation"), task_id="before-rotation")
         assert python.wait("before-rotation")["status"] == "completed"
+    still = system.cli("keys", "report", "--retiring", "k1", "--json")
+    assert still.returncode == 3, "k1 wraps a task's key: not to be deleted yet"
+    assert orjson.loads(still.stdout)["data_keys"] == {"k1": 1}
 
     system.env["STEPSTREAM_ENCRYPTION_KEYS"] = f"{K2},{K1}"
     for name in ("scheduler", "inventory", "payments", "shipping"):
@@ -285,6 +288,10 @@ def test_a_new_master_key_seals_new_tasks_old_ones_still_open_and_their_keys_are
         accepted.input["card_token"], input_place("before-rotation", "card_token")) \
         == order("before-rotation")["card_token"], "opens without the retired key: the log was not rewritten"
     assert len([e for e in system.events("before-rotation") if isinstance(e, TaskAccepted)]) == 1
+    retired = system.cli("keys", "report", "--retiring", "k1")
+    assert retired.returncode == 0, retired.stdout + retired.stderr
+    assert "k1: wraps no data key: it may be deleted" in retired.stdout
+    assert [line.split() for line in retired.stdout.splitlines() if line.startswith("k2")] == [["k2", "2", "0"]]
     assert not any(isinstance(e, OperatorAlert) for e in system.events("before-rotation")), \
         "the repeat sealed under the old task's key (opened with the old master key) is no contradiction"
 

@@ -140,11 +140,15 @@ class DataKeys:
 
 
 class Proposals:
-    """One ``keys`` partition's proposed data keys not yet tombstoned, followed on from where a restore read.
+    """One ``keys`` partition's proposed data keys not yet taken, followed on from where a restore read.
 
-    A submission's proposal was acknowledged before the submission was produced, so it is below the
-    partition's last stable offset when the scheduler handles the submission: reading on to the end finds
-    it, even while the scheduler's own transaction has written to the partition (read_committed stops there).
+    A submission's proposal was acknowledged before the submission was produced, so reading on to the
+    partition's end finds it. That read is read_uncommitted: the scheduler's transaction stays open over
+    several polls of ``inbox``, and once it wrote to the partition, a read_committed reader would stop at
+    its first record and miss a proposal written after it (a submission polled later in the same batch).
+    Proposals are written without a transaction, so nothing read is ever aborted; the scheduler's own
+    records (tasks' keys, tombstones of proposals) are skipped here, and a proposal leaves memory when
+    the transaction that took it committed (``taken``): an aborted batch takes it again.
     """
 
     def __init__(self, bootstrap: str, topic: str, partition: int, starts: dict[int, int],
@@ -158,13 +162,17 @@ class Proposals:
     def wrapped(self, record: str) -> str | None:
         """The wrapped key proposed under ``record``; None when it is not (or no longer) on the partition."""
         if record not in self._pending:
-            for name, wrapped in read_key_records(self.bootstrap, self.topic, self._starts,
-                                                  [self.partition]).proposals.items():
-                if wrapped is None:
-                    self._pending.pop(name, None)  # handled: its submission was taken
-                else:
-                    self._pending[name] = wrapped
+            for msg in LogRange(self.bootstrap, self.topic, partitions=[self.partition], starts=self._starts,
+                                committed_only=False):
+                self._starts[msg.partition()] = msg.offset() + 1
+                key, value = msg.key(), msg.value()
+                if key is not None and value is not None and PROPOSED in (msg.headers() or []):
+                    self._pending[key.decode()] = value.decode()
         return self._pending.get(record)
+
+    def taken(self, record: str) -> None:
+        """The submission of ``record`` was handled and committed, with the proposal's tombstone."""
+        self._pending.pop(record, None)
 
     def __len__(self) -> int:
         return len(self._pending)

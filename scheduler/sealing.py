@@ -62,6 +62,24 @@ def open_input(workflow: Workflow, task_id: str, data: dict[str, Any], key: Task
             for name, value in data.items()}
 
 
+def granted(workflow: Workflow, step: Step, data: dict[str, Any], compensation: bool
+            ) -> tuple[dict[str, Any], list[str]]:
+    """An attempt's input (``{"task": ..., "steps": ...}``) with the sensitive values ``step`` is not granted
+    (``Step.opens``) left out, and their names: input fields by name, step outputs as ``step.field``. A
+    compensation is given its step's own output whole besides."""
+    withheld = [name for name in data["task"] if name in workflow.sensitive_input and name not in step.opens]
+    steps: dict[str, Any] = {}
+    for name, output in data["steps"].items():
+        if not isinstance(output, dict) or (compensation and name == step.name):
+            steps[name] = output
+            continue
+        hidden = [f for f in workflow.step(name).sensitive_fields(output) if f"{name}.{f}" not in step.opens]
+        withheld += [f"{name}.{f}" for f in hidden]
+        steps[name] = {f: value for f, value in output.items() if f not in hidden}
+    task = {name: value for name, value in data["task"].items() if name not in withheld}
+    return {**data, "task": task, "steps": steps}, withheld
+
+
 class SubmissionSealer:
     """Seals the marked input fields of submissions before they are produced, with the task's data key.
 

@@ -61,7 +61,7 @@ from scheduler.decider import (
     same_timer,
 )
 from scheduler.quarantine import UNFOLDABLE, PartitionFold, Quarantine
-from scheduler.sealing import EventSealer, open_input, seal_input
+from scheduler.sealing import EventSealer, granted, open_input, seal_input
 from scheduler.timers import TimerQueue
 from scheduler.traces import record_spans
 from scheduler.workflow import Step, WorkflowNotFoundError, WorkflowRegistry
@@ -140,6 +140,7 @@ class Scheduler:
         self._keys: dict[int, dict[str, TaskKey]] = {}  # the data keys of the owned tasks that have one
         self._stale: dict[int, list[str]] = {}  # per partition, tasks whose key an older master key wraps
         self._proposals: dict[int, Proposals] = {}  # per partition, the data keys submitters proposed
+        self._taken: list[tuple[int, str]] = []  # proposals the open transaction took (and tombstoned)
         self._admin = AdminClient(connection_config(bootstrap))
         self._known_topics: set[str] = set()
         # Non-terminal tasks per partition, kept up to date as states change: admission control asks for
@@ -324,6 +325,7 @@ class Scheduler:
                                      f"data key on {self.layout.keys}[{partition}] (proposed elsewhere, or taken "
                                      "already): its sealed input could not be opened")
         output.send_raw(self.layout.keys, record, None, [PROPOSED], partition=partition)
+        self._taken.append((partition, record))
         return wrapped
 
     def _rewrap(self, partition: int, output: EventProducer) -> None:
@@ -385,7 +387,8 @@ class Scheduler:
             # fence gets no such claim: its undo waits out the forward attempts instead (``not_before``).
             if step.compensation.fenced:
                 undoes_key, undoes_attempt = forward_key, state.steps[event.step_index].attempt
-        # Outputs of earlier steps are clear in memory: sealed again for the agent, which opens what it needs.
+        # Only what the step is granted; outputs of earlier steps are clear in memory: sealed again for the agent.
+        data, withheld = granted(workflow, step, data, isinstance(event, StepCompensationStarted))
         data = {**data, "steps": self.sealer.seal_outputs(workflow, state.task_id, data["steps"], data_key)}
         self._ensure_topic(TopicSpec(self.layout.agent(agent), self.layout.partitions))
         output.send(self.layout.agent(agent), AgentRequest(
@@ -395,6 +398,7 @@ class Scheduler:
             compensation=isinstance(event, StepCompensationStarted),
             not_before=event.not_before if isinstance(event, StepCompensationStarted) else None,
             sealed_output=_marked_answer(step, isinstance(event, StepCompensationStarted)) if data_key else [],
+            withheld=withheld,
         ), headers=headers_of(attempt_span(state.task_id, event.attempt_id)))
 
     def _reply_topic(self, state: TaskState, command: Message) -> str | None:
@@ -501,8 +505,12 @@ class Scheduler:
                     del self._batch[key]  # a restore of the partition, not the batch, is its truth from now on
 
     def committed(self) -> None:
-        """The open transaction committed: the states of its tasks are the log's now."""
+        """The open transaction committed: the states of its tasks are the log's now, its proposals taken."""
         self._batch.clear()
+        for partition, record in self._taken:
+            if partition in self._proposals:
+                self._proposals[partition].taken(record)
+        self._taken.clear()
 
     def recover_batch(self) -> None:
         """After an aborted transaction the tasks it touched ran ahead of the log: put them back as they were
@@ -529,6 +537,7 @@ class Scheduler:
             QUARANTINED.labels(str(partition)).set(len(quarantined))
         log.info("aborted batch recovered", tasks=len(self._batch))
         self._batch.clear()
+        self._taken.clear()  # still pending: the batch's submissions come again
 
 
 def _marked_answer(step: Step, compensation: bool) -> list[str]:

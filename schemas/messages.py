@@ -507,6 +507,9 @@ class AgentRequest(Message):
                                                                    "and call) no earlier than this")
     sealed_output: list[str] = Field(default_factory=list, description="output fields the agent seals with the "
                                      "task's data key before answering ('*': every field)")
+    withheld: list[str] = Field(default_factory=list, description="sensitive values left out of the input because "
+                                "the step is not granted them (Step.opens): task input fields by name, earlier "
+                                "steps' output fields as step.field")
 
     def work_deadline(self, accepted_at: datetime) -> datetime:
         """When the attempt's work must end if an agent takes the request at ``accepted_at``: the same

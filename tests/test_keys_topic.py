@@ -9,7 +9,7 @@ import uuid
 import pytest
 from confluent_kafka.admin import AdminClient
 
-from eventstore.keys import PROPOSED, key_report, proposal_record, read_key_records, roll
+from eventstore.keys import PROPOSED, Proposals, key_report, proposal_record, read_key_records, roll
 from eventstore.partitioning import partition_of
 from eventstore.producer import EventProducer
 from eventstore.replay import LogRange
@@ -36,6 +36,28 @@ def test_a_record_keyed_by_task_id_lands_on_the_partition_partition_of_names(boo
     placed = {msg.key().decode(): msg.partition() for msg in LogRange(bootstrap, layout.inbox)}
     assert placed == {task: partition_of(task, layout.partitions) for task in tasks}
     assert len(set(placed.values())) == layout.partitions, "the sample spreads over every partition"
+
+
+def test_a_proposal_written_behind_the_schedulers_open_transaction_is_found(bootstrap: str,
+                                                                            layout: TopicLayout) -> None:
+    """The scheduler's transaction stays open over several polls of inbox: once it wrote to a keys partition,
+    a submission polled later in the same batch has its proposal behind that open transaction."""
+    proposals = Proposals(bootstrap, layout.keys, 0, {}, {})
+    scheduler = EventProducer(bootstrap, transactional_id=f"test-{uuid.uuid4().hex[:8]}")
+    scheduler.init_transactions()
+    scheduler.begin()
+    scheduler.send_raw(layout.keys, "accepted-earlier", b"k1:own", partition=0)
+    scheduler.send_raw(layout.keys, proposal_record("accepted-earlier", "r0"), None, [PROPOSED], partition=0)
+    scheduler.raw.flush(10)
+    submitter = EventProducer(bootstrap)
+    submitter.send_raw(layout.keys, proposal_record("polled-later", "r1"), b"k1:later", [PROPOSED], partition=0)
+    submitter.flush()
+
+    assert proposals.wrapped(proposal_record("polled-later", "r1")) == "k1:later"
+    assert proposals.wrapped(proposal_record("accepted-earlier", "r0")) is None
+    scheduler.commit()
+    proposals.taken(proposal_record("polled-later", "r1"))
+    assert len(proposals) == 0
 
 
 def test_the_key_report_counts_the_data_keys_each_master_key_wraps_tasks_and_proposals_apart(

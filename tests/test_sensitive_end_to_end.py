@@ -17,10 +17,10 @@ from confluent_kafka.admin import AdminClient
 
 from eventstore.keys import KeyProposer, read_key_records, read_keys
 from eventstore.producer import EventProducer
-from eventstore.replay import LogRange
+from eventstore.replay import LogRange, ReplayReader
 from eventstore.settings import KafkaSettings
 from scheduler.sealing import SubmissionSealer
-from schemas.messages import OperatorAlert, StepSucceeded, SubmitTask, TaskAccepted, TaskDataErased
+from schemas.messages import AgentRequest, OperatorAlert, StepSucceeded, SubmitTask, TaskAccepted, TaskDataErased
 from schemas.sealed import Keyring, SealingError, input_place, is_sealed
 from stepstream.client import Client, SubmissionContradicts, outbox
 from stepstream.client.outbox import OutboxRelay, OutboxSettings
@@ -167,6 +167,14 @@ def test_a_card_token_submitted_every_way_in_is_charged_yet_it_and_the_marked_ou
         assert secret not in metrics, "nor in a metric"
     accepted = next(e for e in system.events("by-http") if isinstance(e, TaskAccepted))
     assert is_sealed(accepted.input["card_token"]) and accepted.input["order_id"] == "by-http"
+
+    # Only charge is granted the card token: the payments agent's requests hold it sealed, the others' none.
+    for agent, granted in (("inventory", False), ("payments", True), ("shipping", False)):
+        requests = [r.message for r in ReplayReader(system.bootstrap, system.layout.agent(agent))
+                    if isinstance(r.message, AgentRequest)]
+        assert requests, agent
+        assert all(("card_token" in r.input["task"]) == granted for r in requests), agent
+        assert all(("card_token" in r.withheld) != granted for r in requests), agent
 
     # Each way in proposed its key on keys (none on inbox): the scheduler took it and tombstoned the proposal.
     copies = key_copies(system, set(tokens))

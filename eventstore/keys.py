@@ -182,14 +182,22 @@ class KeyProposer:
     """Writes submissions' proposed data keys to ``keys`` and takes the wrapped keys off the submissions.
 
     ``publish`` returns once the broker acknowledged every proposal: only then may the submissions go to
-    ``inbox``, so the scheduler always finds the key it is told to look for.
+    ``inbox``, so the scheduler always finds the key it is told to look for. Its producer is made with the
+    first proposal: a submitter of unmarked workflows never connects one.
     """
 
     def __init__(self, bootstrap: str, topic: str, inbox: str) -> None:
+        self.bootstrap = bootstrap
         self.topic = topic
         self.inbox = inbox
-        self._producer = EventProducer(bootstrap)
+        self._made: EventProducer | None = None
         self._partitions: int | None = None
+
+    @property
+    def _producer(self) -> EventProducer:
+        if self._made is None:
+            self._made = EventProducer(self.bootstrap)
+        return self._made
 
     def publish(self, commands: Sequence[SubmitTask], timeout_s: float = 60.0) -> list[SubmitTask]:
         """``commands`` as they may be produced to ``inbox``: each one's wrapped key proposed and removed."""
@@ -214,4 +222,5 @@ class KeyProposer:
         return self._partitions
 
     def close(self) -> None:
-        self._producer.flush()
+        if self._made is not None:
+            self._made.flush()

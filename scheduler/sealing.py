@@ -67,6 +67,8 @@ def granted(workflow: Workflow, step: Step, data: dict[str, Any], compensation: 
     """An attempt's input (``{"task": ..., "steps": ...}``) with the sensitive values ``step`` is not granted
     (``Step.opens``) left out, and their names: input fields by name, step outputs as ``step.field``. A
     compensation is given its step's own output whole besides."""
+    if not workflow.has_sensitive_data:
+        return data, []
     withheld = [name for name in data["task"] if name in workflow.sensitive_input and name not in step.opens]
     steps: dict[str, Any] = {}
     for name, output in data["steps"].items():

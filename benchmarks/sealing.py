@@ -7,13 +7,15 @@ Run by hand from the project folder::
 One system (order service without faults, projector, scheduler, the three agents, supervisor, as real
 processes) on the demo's registry, with a master key configured. The two kinds of order differ only in
 their marking: ``orders`` v3 (no field marked) and ``orders`` v4 (the same steps, ``card_token`` marked:
-sealed by the submitter under a fresh task key, the key written to ``keys`` by the scheduler, opened by
-each agent from ``keys``). Rounds alternate the two kinds (plain first in even rounds, sealed first in odd
-ones) so that a drift in the machine's load falls on both alike. Per round and kind:
+sealed by the submitter under a fresh task key, the key proposed on ``keys`` by the submitter before the
+submission and adopted by the scheduler, opened by each agent from ``keys``). Rounds alternate the two
+kinds (plain first in even rounds, sealed first in odd ones) so that a drift in the machine's load falls on
+both alike. Per round and kind:
 
 - throughput: N submissions built (and, for v4, sealed: the time that takes is reported per submission),
-  sent as fast as one producer sends them; the clock runs from the first send until every task has a
-  terminal event on ``events``; steps/s = 3 N / elapsed;
+  sent as fast as one producer sends them; the clock runs from the first send (for v4, of the proposed
+  keys, acknowledged before the submissions) until every task has a terminal event on ``events``;
+  steps/s = 3 N / elapsed;
 - submit latency: M submissions one after another through ``Client.submit`` (validation, sealing, produce,
   wait for acks=all), each timed.
 
@@ -77,7 +79,7 @@ def burst(client: Client, producer: EventProducer, watcher: TerminalWatcher, lay
     commands = [client.sealing.seal(order(f"{prefix}{i:06d}", i, version), known=False) for i in range(n)]
     seal_us = 1e6 * (time.perf_counter() - built) / n
     started = time.perf_counter()
-    for command in commands:
+    for command in client.sealing.ready(commands):  # new data keys proposed on keys first, acknowledged
         producer.send(layout.inbox, command)
     producer.flush()
     watcher.wait_for(prefix, n, step, f"{prefix} v{version}")

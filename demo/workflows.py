@@ -67,6 +67,10 @@ ORDERS_V3 = Workflow(
                 for step in _order_steps(compensated=True)),
     failure_threshold=3, escalation="backoff", long_backoff_s=20.0, backoff_rounds=3, after_backoff="compensate",
     input_model=OrderInput)
-ORDERS_V4 = replace(ORDERS_V3, version=4, input_model=PaidOrderInput, sensitive_input=frozenset({"card_token"}))
+ORDERS_V4 = replace(ORDERS_V3, version=4, input_model=PaidOrderInput, sensitive_input=frozenset({"card_token"}),
+                    steps=tuple(replace(step, opens=frozenset({"card_token"})) if step.name == "charge" else step
+                                for step in ORDERS_V3.steps))
+"""Only ``charge`` is given the card token (its payments agent, and the refund): inventory and shipping
+requests never hold it, not even sealed."""
 
 REGISTRY = WorkflowRegistry.of([ORDERS_V1, ORDERS_V2, ORDERS_V3, ORDERS_V4])

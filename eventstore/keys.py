@@ -1,17 +1,124 @@
-"""The ``keys`` topic read into memory: each task's wrapped data key, or the fact that it was erased.
+"""The ``keys`` topic: each task's wrapped data key, the keys submitters propose, and erasure by tombstone.
 
-A record's key is the task id, its value the data key wrapped by a master key (``kid:base64``, UTF-8); a
-tombstone (no value) is an erased key. The scheduler writes both, in the transaction of the events that
-call for them, so an agent that reads a request (read_committed) finds its task's key on this topic:
-a task it has not seen yet makes it read on to the topic's end.
+A task's own record is keyed by the task id; its value is the data key wrapped by a master key
+(``kid:base64``, UTF-8), and a tombstone (no value) is an erased key. The scheduler owning the task's
+partition writes both, in the transaction of the events that call for them, so an agent that reads a
+request (read_committed) finds its task's key here: a task it has not seen yet makes it read on.
+
+A submitter that sealed a new task's input under a new data key never puts that key on ``inbox`` (kept
+seven days, it would outlive an erasure). It *proposes* the key here first, under a record key of its own
+(``proposal_record``: the task id and a random reference, with the ``PROPOSED`` header), on the partition
+the task's inbox records land on, and produces the submission, naming only the reference, once the broker
+acknowledged the proposal. The scheduler finds the proposal when it handles the submission (``Proposals``),
+adopts the key (writing the task's own record) or reseals under the task's key, and writes the proposal's
+tombstone in that same transaction. So the task's own record is the only one left, and an erasure's
+tombstone of it leaves no copy of the key on any topic once ``keys`` is compacted.
+
+A proposal never takes the task's own record key: a submitter racing an acceptance (it did not find the
+task yet) would otherwise replace the accepted key, and compaction could drop the key the task's events
+are sealed with before the scheduler wrote it back.
 """
 
 from __future__ import annotations
 
+import secrets
 import threading
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 
+from confluent_kafka import Producer
+
+from eventstore.errors import InfrastructureError
+from eventstore.partitioning import partition_of
+from eventstore.producer import EventProducer
 from eventstore.replay import LogRange
+from schemas.messages import SubmitTask
+from schemas.sealed import Keyring
+
+PROPOSED = ("stepstream-key", b"proposed")
+"""The header of a proposed key's record (and of its tombstone): what tells it from a task's own record."""
+
+ROLL = ("stepstream-key", b"roll")
+ROLL_RECORD = "stepstream-keys-roll-" * 10
+"""A marker appended to every partition now and then (``roll``), so an idle partition's active segment
+rolls and the cleaner can remove an erased key (Kafka rolls a segment only when a record is appended).
+Its record key is longer than any task id (200) and has no ``#``: it is no task's record and no proposal;
+its value is empty (a tombstone), so compaction keeps at most one per partition."""
+
+
+def new_reference() -> str:
+    """A fresh reference for a proposed key: random, so no two submissions' proposals share a record."""
+    return secrets.token_hex(16)
+
+
+def proposal_record(task_id: str, reference: str) -> str:
+    """The record key of a task's proposed data key."""
+    return f"{task_id}#{reference}"
+
+
+@dataclass
+class KeyRecords:
+    """What a read of ``keys`` found: the last record of each task and of each proposal (None: tombstone)."""
+
+    tasks: dict[str, str | None] = field(default_factory=dict)
+    proposals: dict[str, str | None] = field(default_factory=dict)
+
+
+def read_key_records(bootstrap: str, topic: str, starts: dict[int, int], partitions: Iterable[int] | None = None
+                     ) -> KeyRecords:
+    """The records written from ``starts`` (per partition; advanced in place) to the topic's end."""
+    found = KeyRecords()
+    for msg in LogRange(bootstrap, topic, partitions=partitions, starts=starts):
+        key, value = msg.key(), msg.value()
+        starts[msg.partition()] = msg.offset() + 1
+        if key is None:
+            continue
+        headers = msg.headers() or []
+        if ROLL in headers:
+            continue
+        into = found.proposals if PROPOSED in headers else found.tasks
+        into[key.decode()] = None if value is None else value.decode()
+    return found
+
+
+def read_keys(bootstrap: str, topic: str, starts: dict[int, int], partitions: Iterable[int] | None = None
+              ) -> dict[str, str | None]:
+    """The tasks' own keys written from ``starts`` to the topic's end: the last record of each task, None
+    for a tombstone."""
+    return read_key_records(bootstrap, topic, starts, partitions).tasks
+
+
+@dataclass(frozen=True)
+class KeyReport:
+    """How many data keys each master key wraps on ``keys``: a retired master key may be deleted once it
+    wraps none (every scheduler rewrapped its partitions' keys, no proposal of it is waiting)."""
+
+    data_keys: dict[str, int]  # by master key id: the tasks' own keys
+    proposed: dict[str, int]  # by master key id: keys proposed for submissions not taken yet
+    erased: int  # tasks whose tombstone is still on the topic
+
+    def wraps(self, key_id: str) -> int:
+        """The data keys ``key_id`` still wraps, the tasks' and the proposed ones."""
+        return self.data_keys.get(key_id, 0) + self.proposed.get(key_id, 0)
+
+
+def key_report(bootstrap: str, topic: str) -> KeyReport:
+    """Read ``keys`` to its end and count, per master key id, the data keys it wraps (no key is needed:
+    the id is the clear prefix of a wrapped key)."""
+    records = read_key_records(bootstrap, topic, {})
+
+    def per_master(wrapped: Iterable[str | None]) -> dict[str, int]:
+        return dict(Counter(Keyring.wrapped_with(value) for value in wrapped if value is not None))
+
+    return KeyReport(per_master(records.tasks.values()), per_master(records.proposals.values()),
+                     sum(1 for value in records.tasks.values() if value is None))
+
+
+def roll(producer: EventProducer, topic: str, partitions: int) -> None:
+    """Append the roll marker to each partition of ``topic`` (sent; the caller flushes)."""
+    for partition in range(partitions):
+        producer.send_raw(topic, ROLL_RECORD, None, [ROLL], partition=partition)
 
 
 class DataKeys:
@@ -32,14 +139,88 @@ class DataKeys:
             return self._wrapped.get(task_id)
 
 
-def read_keys(bootstrap: str, topic: str, starts: dict[int, int], partitions: Iterable[int] | None = None
-              ) -> dict[str, str | None]:
-    """The keys written from ``starts`` (per partition; advanced in place) to the topic's end: the last
-    record of each task, None for a tombstone."""
-    found: dict[str, str | None] = {}
-    for msg in LogRange(bootstrap, topic, partitions=partitions, starts=starts):
-        key, value = msg.key(), msg.value()
-        starts[msg.partition()] = msg.offset() + 1
-        if key is not None:
-            found[key.decode()] = None if value is None else value.decode()
-    return found
+class Proposals:
+    """One ``keys`` partition's proposed data keys not yet taken, followed on from where a restore read.
+
+    A submission's proposal was acknowledged before the submission was produced, so reading on to the
+    partition's end finds it. That read is read_uncommitted: the scheduler's transaction stays open over
+    several polls of ``inbox``, and once it wrote to the partition, a read_committed reader would stop at
+    its first record and miss a proposal written after it (a submission polled later in the same batch).
+    Proposals are written without a transaction, so nothing read is ever aborted; the scheduler's own
+    records (tasks' keys, tombstones of proposals) are skipped here, and a proposal leaves memory when
+    the transaction that took it committed (``taken``): an aborted batch takes it again.
+    """
+
+    def __init__(self, bootstrap: str, topic: str, partition: int, starts: dict[int, int],
+                 pending: dict[str, str | None]) -> None:
+        self.bootstrap = bootstrap
+        self.topic = topic
+        self.partition = partition
+        self._starts = starts
+        self._pending = {record: wrapped for record, wrapped in pending.items() if wrapped is not None}
+
+    def wrapped(self, record: str) -> str | None:
+        """The wrapped key proposed under ``record``; None when it is not (or no longer) on the partition."""
+        if record not in self._pending:
+            for msg in LogRange(self.bootstrap, self.topic, partitions=[self.partition], starts=self._starts,
+                                committed_only=False):
+                self._starts[msg.partition()] = msg.offset() + 1
+                key, value = msg.key(), msg.value()
+                if key is not None and value is not None and PROPOSED in (msg.headers() or []):
+                    self._pending[key.decode()] = value.decode()
+        return self._pending.get(record)
+
+    def taken(self, record: str) -> None:
+        """The submission of ``record`` was handled and committed, with the proposal's tombstone."""
+        self._pending.pop(record, None)
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+
+class KeyProposer:
+    """Writes submissions' proposed data keys to ``keys`` and takes the wrapped keys off the submissions.
+
+    ``publish`` returns once the broker acknowledged every proposal: only then may the submissions go to
+    ``inbox``, so the scheduler always finds the key it is told to look for. Its producer is made with the
+    first proposal: a submitter of unmarked workflows never connects one.
+    """
+
+    def __init__(self, bootstrap: str, topic: str, inbox: str) -> None:
+        self.bootstrap = bootstrap
+        self.topic = topic
+        self.inbox = inbox
+        self._made: EventProducer | None = None
+        self._partitions: int | None = None
+
+    @property
+    def _producer(self) -> EventProducer:
+        if self._made is None:
+            self._made = EventProducer(self.bootstrap)
+        return self._made
+
+    def publish(self, commands: Sequence[SubmitTask], timeout_s: float = 60.0) -> list[SubmitTask]:
+        """``commands`` as they may be produced to ``inbox``: each one's wrapped key proposed and removed."""
+        proposing = [c for c in commands if c.data_key is not None and c.key_ref is not None]
+        for command in proposing:
+            assert command.data_key is not None and command.key_ref is not None
+            self._producer.send_raw(self.topic, proposal_record(command.task_id, command.key_ref),
+                                    command.data_key.encode(), [PROPOSED],
+                                    partition=partition_of(command.task_id, self._inbox_partitions()))
+        if proposing:
+            self._producer.flush(timeout_s)
+        return [c.model_copy(update={"data_key": None}) if c.key_ref is not None else c for c in commands]
+
+    def _inbox_partitions(self) -> int:
+        """The partition count of ``inbox`` (the same as ``keys``'s), asked once."""
+        if self._partitions is None:
+            raw: Producer = self._producer.raw
+            metadata = raw.list_topics(self.inbox, timeout=30).topics[self.inbox]
+            if metadata.error is not None or not metadata.partitions:
+                raise InfrastructureError(f"cannot propose data keys: {self.inbox} unreadable ({metadata.error})")
+            self._partitions = len(metadata.partitions)
+        return self._partitions
+
+    def close(self) -> None:
+        if self._made is not None:
+            self._made.flush()

@@ -66,12 +66,13 @@ class LogRange:
     No consumer group (nothing committed, nobody's assignment changes) and read_committed, so aborted
     transactions never show. ``partitions`` defaults to all; a partition's start to its low watermark
     and its end to its high watermark seen when the range is made (records appended meanwhile belong to
-    the next read).
+    the next read). ``committed_only=False`` reads past open transactions too (read_uncommitted): for a
+    reader of records written without a transaction, behind a transaction of its own that is still open.
     """
 
     def __init__(self, bootstrap: str, topic: str, *, partitions: Iterable[int] | None = None,
                  starts: Mapping[int, int] | None = None, ends: Mapping[int, int] | None = None,
-                 batch_size: int = 1000) -> None:
+                 batch_size: int = 1000, committed_only: bool = True) -> None:
         self.topic = topic
         self.batch_size = batch_size
         self._consumer = Consumer({
@@ -79,7 +80,7 @@ class LogRange:
             "group.id": reader_group("range"),
             "enable.auto.commit": False,
             "enable.partition.eof": True,
-            "isolation.level": "read_committed",
+            "isolation.level": "read_committed" if committed_only else "read_uncommitted",
             "fetch.max.bytes": 52428800,
             # Once 100,000 records of a partition wait in the local queue, librdkafka postpones the next
             # fetch by this long (default 1 s): a fast reader (``dlq list``) would stall on it.

@@ -30,6 +30,16 @@ class TopicSpec:
     config: dict[str, str] = field(default_factory=dict)
 
 
+KEYS_SEGMENT_MS = 10 * 60 * 1000
+"""How soon an erased data key leaves the disk of ``keys``: compaction never touches the active segment,
+so a superseded record goes once the segment holding the erasure's tombstone has rolled (``segment.ms``,
+checked when the next record is appended) and the log cleaner has run (``max.compaction.lag.ms`` makes the
+partition due however little of it is dirty; the broker's ``log.cleaner.backoff.ms``, 15 s by default, is
+its pause between runs). Ten minutes each: an erased key is gone from disk within about twenty minutes of
+the erasure on a partition that takes writes (``tests/test_keys_topic.py`` shows it with a short window).
+Small segments cost little here: the topic holds one short record per live task."""
+
+
 @dataclass(frozen=True)
 class TopicLayout:
     """Names of every topic of one deployment (one prefix)."""
@@ -80,14 +90,15 @@ class TopicLayout:
             self.keys_spec(),
         ]
 
-    def keys_spec(self) -> TopicSpec:
-        """Compacted, and soon: an erased key's tombstone replaces the wrapped key within the hour (the active
-        segment rolls hourly and compaction may not lag longer), and the tombstone itself goes a day later.
-        Same partition count as inbox: the scheduler writes a task's key beside its events."""
-        hour = str(3600 * 1000)
+    def keys_spec(self, segment_ms: int | None = None) -> TopicSpec:
+        """Compacted, and soon: see ``KEYS_SEGMENT_MS``; the tombstone itself, which holds no key, stays a
+        day so a reader a day behind still learns of the erasure. Same partition count as inbox: a task's
+        key and the keys proposed for it sit beside its events. ``segment_ms`` shortens it (tests)."""
+        window = str(segment_ms or KEYS_SEGMENT_MS)
         return TopicSpec(self.keys, self.partitions, {
-            "cleanup.policy": "compact", "segment.ms": hour, "max.compaction.lag.ms": hour,
-            "min.cleanable.dirty.ratio": "0.01", "delete.retention.ms": str(24 * 3600 * 1000)})
+            "cleanup.policy": "compact", "segment.ms": window, "max.compaction.lag.ms": window,
+            "min.cleanable.dirty.ratio": "0.01", "min.compaction.lag.ms": "0",
+            "delete.retention.ms": str(24 * 3600 * 1000)})
 
     # -- consumer groups (each starts with the prefix, so the lag report and one prefixed ACL find them) --
 

@@ -121,7 +121,8 @@ def main() -> int:
                            schema=settings.db_schema) for i in range(args.orders)]
     print("committed with their submissions:", ", ".join(ids))
     with outbox.OutboxRelay(settings, bootstrap=kafka.resolved_bootstrap(),
-                            topic=TopicLayout.from_settings(kafka).inbox) as relay:
+                            topic=TopicLayout.from_settings(kafka).inbox,
+                            keys_topic=TopicLayout.from_settings(kafka).keys) as relay:
         print(f"relayed {relay.drain()} submissions to inbox")
     return 0
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
+from eventstore.keys import new_reference
 from scheduler.workflow import Step, Workflow, WorkflowNotFoundError, WorkflowRegistry
 from schemas.messages import Event, StepCompensated, StepSucceeded, SubmitTask, TaskCompleted
 from schemas.sealed import Keyring, SealingError, TaskKey, input_place, is_sealed, sealed_with_task_key
@@ -61,6 +62,26 @@ def open_input(workflow: Workflow, task_id: str, data: dict[str, Any], key: Task
             for name, value in data.items()}
 
 
+def granted(workflow: Workflow, step: Step, data: dict[str, Any], compensation: bool
+            ) -> tuple[dict[str, Any], list[str]]:
+    """An attempt's input (``{"task": ..., "steps": ...}``) with the sensitive values ``step`` is not granted
+    (``Step.opens``) left out, and their names: input fields by name, step outputs as ``step.field``. A
+    compensation is given its step's own output whole besides."""
+    if not workflow.has_sensitive_data:
+        return data, []
+    withheld = [name for name in data["task"] if name in workflow.sensitive_input and name not in step.opens]
+    steps: dict[str, Any] = {}
+    for name, output in data["steps"].items():
+        if not isinstance(output, dict) or (compensation and name == step.name):
+            steps[name] = output
+            continue
+        hidden = [f for f in workflow.step(name).sensitive_fields(output) if f"{name}.{f}" not in step.opens]
+        withheld += [f"{name}.{f}" for f in hidden]
+        steps[name] = {f: value for f, value in output.items() if f not in hidden}
+    task = {name: value for name, value in data["task"].items() if name not in withheld}
+    return {**data, "task": task, "steps": steps}, withheld
+
+
 class SubmissionSealer:
     """Seals the marked input fields of submissions before they are produced, with the task's data key.
 
@@ -73,12 +94,15 @@ class SubmissionSealer:
 
     def needs_key(self, command: SubmitTask) -> bool:
         """Whether ``command`` has fields to seal (and so needs its task's data key)."""
-        return bool(self._workflow(command).sensitive_input) and command.data_key is None
+        return bool(self._workflow(command).sensitive_input) and command.data_key is None \
+            and command.key_ref is None
 
     def seal(self, command: SubmitTask, key: TaskKey | None = None) -> SubmitTask:
-        """``command`` with its marked fields sealed with ``key`` (default: a new one; pass a known task's
-        key so a repeat seals to the same bytes) and that key, wrapped, beside them. A submission already
-        carrying a data key is sealed already: it is returned as it is."""
+        """``command`` with its marked fields sealed with ``key``, a known task's (so a repeat seals to the
+        same bytes), or else with a new one, which goes beside them wrapped, with a fresh reference:
+        ``eventstore.keys.KeyProposer`` proposes it on ``keys`` under that reference and takes it off before
+        the submission goes to ``inbox``. A submission already carrying a data key is sealed already: it is
+        returned as it is."""
         if not self.needs_key(command):
             return command
         workflow = self._workflow(command)
@@ -86,9 +110,12 @@ class SubmissionSealer:
             raise SealingError(f"workflow {workflow.name} v{workflow.version} marks input fields sensitive but no "
                                "encryption key is configured (STEPSTREAM_ENCRYPTION_KEYS): refusing to send "
                                "them in clear")
-        key = key or TaskKey.generate()
+        if key is not None:  # the scheduler has this task's key: nothing to propose
+            return command.model_copy(update={"input": seal_input(workflow, command.task_id, command.input, key)})
+        key = TaskKey.generate()
         return command.model_copy(update={"input": seal_input(workflow, command.task_id, command.input, key),
-                                          "data_key": self.keyring.wrap(key, command.task_id)})
+                                          "data_key": self.keyring.wrap(key, command.task_id),
+                                          "key_ref": new_reference()})
 
     def _workflow(self, command: SubmitTask) -> Workflow:
         return self.registry.get(command.workflow, command.workflow_version)

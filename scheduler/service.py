@@ -43,7 +43,7 @@ from prometheus_client import Gauge
 
 from eventstore.errors import PoisonMessageError
 from eventstore.kafka_config import connection_config
-from eventstore.keys import read_keys
+from eventstore.keys import PROPOSED, Proposals, proposal_record, read_key_records
 from eventstore.producer import EventProducer
 from eventstore.replay import ReplayReader
 from eventstore.runtime import ConsumerRuntime, Record
@@ -61,7 +61,7 @@ from scheduler.decider import (
     same_timer,
 )
 from scheduler.quarantine import UNFOLDABLE, PartitionFold, Quarantine
-from scheduler.sealing import EventSealer, open_input, seal_input
+from scheduler.sealing import EventSealer, granted, open_input, seal_input
 from scheduler.timers import TimerQueue
 from scheduler.traces import record_spans
 from scheduler.workflow import Step, WorkflowNotFoundError, WorkflowRegistry
@@ -139,6 +139,8 @@ class Scheduler:
         self._tasks: dict[int, dict[str, TaskState]] = {}
         self._keys: dict[int, dict[str, TaskKey]] = {}  # the data keys of the owned tasks that have one
         self._stale: dict[int, list[str]] = {}  # per partition, tasks whose key an older master key wraps
+        self._proposals: dict[int, Proposals] = {}  # per partition, the data keys submitters proposed
+        self._taken: list[tuple[int, str]] = []  # proposals the open transaction took (and tombstoned)
         self._admin = AdminClient(connection_config(bootstrap))
         self._known_topics: set[str] = set()
         # Non-terminal tasks per partition, kept up to date as states change: admission control asks for
@@ -185,7 +187,8 @@ class Scheduler:
         new_key: TaskKey | None = None
         with span_for(command.task_id, f"scheduler {type(command).__name__}", record.headers):
             if isinstance(command, SubmitTask):
-                command, new_key = self._under_task_key(command, state, keys.get(command.task_id))
+                command, new_key = self._under_task_key(command, state, keys.get(command.task_id),
+                                                        record.partition, output)
             try:
                 decision = decide(command, state, registry=self.registry, now=datetime.now(UTC),
                                   in_flight=self.in_flight(record.partition), limits=self.limits)
@@ -280,15 +283,20 @@ class Scheduler:
 
     # -- data keys ------------------------------------------------------------------------------
 
-    def _under_task_key(self, command: SubmitTask, state: TaskState | None, known: TaskKey | None
-                        ) -> tuple[SubmitTask, TaskKey | None]:
+    def _under_task_key(self, command: SubmitTask, state: TaskState | None, known: TaskKey | None, partition: int,
+                        output: EventProducer) -> tuple[SubmitTask, TaskKey | None]:
         """A submission with its marked input sealed under the task's data key, and the key a new task gets.
 
         The key is the known task's (a repeat then seals to the very bytes it was accepted with, so the
         decider tells a repeat from a contradiction by digest as for any task), else the submission's own,
         else a new one: a submitter that sent a marked field in clear (an older client) does not get it
-        written in clear to ``events``. Nothing here opens what it does not reseal.
+        written in clear to ``events``. Nothing here opens what it does not reseal. The submission's own key
+        is the one it proposed on ``keys`` (``eventstore.keys``), whose tombstone goes in this transaction
+        whatever is decided, or, from an older submitter, the one it carries.
         """
+        wrapped = command.data_key
+        if command.key_ref is not None:
+            wrapped = self._proposed_key(command, partition, output)
         try:
             workflow = self.registry.get(command.workflow, command.workflow_version if state is None
                                          else state.workflow_version)
@@ -296,9 +304,9 @@ class Scheduler:
             return command, None  # the decider dead-letters it
         if not workflow.has_sensitive_data:
             return command, None
-        if command.data_key is not None and self.sealer.keyring is not None:
+        if wrapped is not None and self.sealer.keyring is not None:
             try:
-                own: TaskKey | None = self.sealer.keyring.unwrap(command.data_key, command.task_id)
+                own: TaskKey | None = self.sealer.keyring.unwrap(wrapped, command.task_id)
             except SealingError as exc:
                 raise PoisonMessageError(f"submission of task {command.task_id}: {exc}") from None
         else:
@@ -308,8 +316,22 @@ class Scheduler:
         if own is not None and own != key:
             data = open_input(workflow, command.task_id, data, own)
         sealed = command.model_copy(update={"input": seal_input(workflow, command.task_id, data, key),
-                                            "data_key": None})
+                                            "data_key": None, "key_ref": None})
         return sealed, None if known is not None else key
+
+    def _proposed_key(self, command: SubmitTask, partition: int, output: EventProducer) -> str:
+        """The wrapped key a submission proposed, its proposal tombstoned in the open transaction; a proposal
+        not on the partition dead-letters the submission (its sealed fields could never be opened)."""
+        assert command.key_ref is not None
+        record = proposal_record(command.task_id, command.key_ref)
+        wrapped = self._proposals[partition].wrapped(record)
+        if wrapped is None:
+            raise PoisonMessageError(f"submission of task {command.task_id}: key_ref {command.key_ref!r} names no "
+                                     f"data key on {self.layout.keys}[{partition}] (proposed elsewhere, or taken "
+                                     "already): its sealed input could not be opened")
+        output.send_raw(self.layout.keys, record, None, [PROPOSED], partition=partition)
+        self._taken.append((partition, record))
+        return wrapped
 
     def _rewrap(self, partition: int, output: EventProducer) -> None:
         """Rewrap a few of the partition's data keys that an older master key wraps (none once rotated)."""
@@ -370,7 +392,8 @@ class Scheduler:
             # fence gets no such claim: its undo waits out the forward attempts instead (``not_before``).
             if step.compensation.fenced:
                 undoes_key, undoes_attempt = forward_key, state.steps[event.step_index].attempt
-        # Outputs of earlier steps are clear in memory: sealed again for the agent, which opens what it needs.
+        # Only what the step is granted; outputs of earlier steps are clear in memory: sealed again for the agent.
+        data, withheld = granted(workflow, step, data, isinstance(event, StepCompensationStarted))
         data = {**data, "steps": self.sealer.seal_outputs(workflow, state.task_id, data["steps"], data_key)}
         self._ensure_topic(TopicSpec(self.layout.agent(agent), self.layout.partitions))
         output.send(self.layout.agent(agent), AgentRequest(
@@ -380,6 +403,7 @@ class Scheduler:
             compensation=isinstance(event, StepCompensationStarted),
             not_before=event.not_before if isinstance(event, StepCompensationStarted) else None,
             sealed_output=_marked_answer(step, isinstance(event, StepCompensationStarted)) if data_key else [],
+            withheld=withheld,
         ), headers=headers_of(attempt_span(state.task_id, event.attempt_id)))
 
     def _reply_topic(self, state: TaskState | None, command: Message) -> str | None:
@@ -426,7 +450,7 @@ class Scheduler:
         """
         for tp in partitions:
             epoch = self._epochs.get(tp.partition, 0)
-            keys, stale = self._restore_keys(tp.partition)
+            keys, stale, proposals = self._restore_keys(tp.partition)
             fold = PartitionFold(default_codec(), self.sealer.opener(keys))
             records = 0
             for partition, offset, key, value in ReplayReader(self.bootstrap, self.layout.events,
@@ -440,6 +464,7 @@ class Scheduler:
                 self.restored_records[tp.partition] = records
                 tasks = self._tasks[tp.partition] = fold.tasks
                 self._keys[tp.partition], self._stale[tp.partition] = keys, stale
+                self._proposals[tp.partition] = proposals
                 for state in tasks.values():
                     self.timers.arm(tp.partition, pending(state), state.task_id)
                 self._quarantined[tp.partition] = {}
@@ -454,20 +479,22 @@ class Scheduler:
                      in_flight=self.in_flight(tp.partition), events=records, quarantined=len(fold.quarantined),
                      unattributed=fold.unattributed)
 
-    def _restore_keys(self, partition: int) -> tuple[dict[str, TaskKey], list[str]]:
+    def _restore_keys(self, partition: int) -> tuple[dict[str, TaskKey], list[str], Proposals]:
         """The data keys of a partition's tasks, unwrapped (an erased task has none: its values stay sealed),
-        and the tasks whose key an older master key wraps."""
+        the tasks whose key an older master key wraps, and the keys proposed for submissions not yet taken."""
         self._ensure_topic(self.layout.keys_spec())
-        wrapped = {task: value for task, value in read_keys(self.bootstrap, self.layout.keys, {}, [partition]).items()
-                   if value is not None}
+        starts: dict[int, int] = {}
+        records = read_key_records(self.bootstrap, self.layout.keys, starts, [partition])
+        proposals = Proposals(self.bootstrap, self.layout.keys, partition, starts, records.proposals)
+        wrapped = {task: value for task, value in records.tasks.items() if value is not None}
         if wrapped and self.sealer.keyring is None:
             raise SealingError(f"{self.layout.keys} holds data keys but no encryption key is configured "
                                "(STEPSTREAM_ENCRYPTION_KEYS)")
         keyring = self.sealer.keyring
         if keyring is None:
-            return {}, []
+            return {}, [], proposals
         stale = sorted(task for task, value in wrapped.items() if keyring.wrapped_with(value) != keyring.current)
-        return {task: keyring.unwrap(value, task) for task, value in wrapped.items()}, stale
+        return {task: keyring.unwrap(value, task) for task, value in wrapped.items()}, stale, proposals
 
     def forget(self, partitions: list[TopicPartition]) -> None:
         with self._ownership:
@@ -476,14 +503,19 @@ class Scheduler:
                 self.timers.forget(set(self._tasks.pop(tp.partition, {})))
                 self._keys.pop(tp.partition, None)
                 self._stale.pop(tp.partition, None)
+                self._proposals.pop(tp.partition, None)
                 self._live.pop(tp.partition, None)
                 self._quarantined.pop(tp.partition, None)
                 for key in [key for key in self._batch if key[0] == tp.partition]:
                     del self._batch[key]  # a restore of the partition, not the batch, is its truth from now on
 
     def committed(self) -> None:
-        """The open transaction committed: the states of its tasks are the log's now."""
+        """The open transaction committed: the states of its tasks are the log's now, its proposals taken."""
         self._batch.clear()
+        for partition, record in self._taken:
+            if partition in self._proposals:
+                self._proposals[partition].taken(record)
+        self._taken.clear()
 
     def recover_batch(self) -> None:
         """After an aborted transaction the tasks it touched ran ahead of the log: put them back as they were
@@ -510,6 +542,7 @@ class Scheduler:
             QUARANTINED.labels(str(partition)).set(len(quarantined))
         log.info("aborted batch recovered", tasks=len(self._batch))
         self._batch.clear()
+        self._taken.clear()  # still pending: the batch's submissions come again
 
 
 def _marked_answer(step: Step, compensation: bool) -> list[str]:

@@ -124,6 +124,12 @@ class Step:
     compensation inherits the marking: what it is given and what it answers derive from the marked data.
 
     ``backoff`` spaces its attempts (see :class:`Backoff`); the compensation declares its own.
+
+    ``opens``: the sensitive values this step's agent is given, each a field of the workflow's
+    ``sensitive_input`` (``card_token``) or a marked output field of an earlier step (``charge.charge_id``).
+    Every other sensitive value is withheld from its requests (``scheduler.sealing.granted``), so an agent
+    that does not need the card token never receives it, not even sealed. Its compensation is given the
+    same, and the step's own output whole: it undoes what that output names.
     """
 
     name: str
@@ -135,6 +141,7 @@ class Step:
     sensitive_output: bool | frozenset[str] = False
     queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S
     backoff: Backoff = Backoff()
+    opens: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if not self.name or not self.agent:
@@ -217,6 +224,15 @@ class Workflow:
         if self.sensitive_retention_s is not None and (self.sensitive_retention_s <= 0 or not self.has_sensitive_data):
             raise ValueError(f"workflow {self.name}: sensitive_retention_s must be positive, on a workflow that "
                              "marks sensitive data")
+        for index, step in enumerate(self.steps):
+            grantable = set(self.sensitive_input) | {f"{before.name}.{field}" for before in self.steps[:index]
+                                                     for field in _marked_names(before)}
+            unknown = sorted(name for name in step.opens if name not in grantable and
+                             not any(name.startswith(f"{b.name}.") and b.sensitive_output is True
+                                     for b in self.steps[:index]))
+            if unknown:
+                raise ValueError(f"workflow {self.name}: step {step.name} opens {', '.join(unknown)}: each must be a "
+                                 "field of sensitive_input or a marked output field of an earlier step (step.field)")
 
     def input_errors(self, data: Mapping[str, Any]) -> list[tuple[str, str]]:
         """(field path, message) of each way ``data`` fails the input model; empty when it satisfies it."""
@@ -304,3 +320,8 @@ class WorkflowRegistry:
             for workflow in versions.values():
                 names.update(workflow.agents)
         return frozenset(names)
+
+
+def _marked_names(step: Step) -> frozenset[str]:
+    """The output fields a step marks by name (one marking every field, ``True``, allows any name)."""
+    return step.sensitive_output if isinstance(step.sensitive_output, frozenset) else frozenset()

@@ -381,7 +381,11 @@ class SubmitTask(Message):
     submitter: str | None = None
     reply_topic: str | None = None
     data_key: str | None = Field(default=None, description="the task's data key, wrapped by a master key "
-                                 "(kid:base64): what the input's sealed fields were sealed with")
+                                 "(kid:base64): what the input's sealed fields were sealed with. Only older "
+                                 "submitters put it on inbox; a current one proposes it on keys (key_ref)")
+    key_ref: str | None = Field(default=None, description="the reference of the data key the input's sealed "
+                                "fields were sealed with, proposed on the keys topic before this submission "
+                                "(eventstore.keys): the key itself is never on inbox")
 
 
 class StepResult(Message):
@@ -503,6 +507,9 @@ class AgentRequest(Message):
                                                                    "and call) no earlier than this")
     sealed_output: list[str] = Field(default_factory=list, description="output fields the agent seals with the "
                                      "task's data key before answering ('*': every field)")
+    withheld: list[str] = Field(default_factory=list, description="sensitive values left out of the input because "
+                                "the step is not granted them (Step.opens): task input fields by name, earlier "
+                                "steps' output fields as step.field")
 
     def work_deadline(self, accepted_at: datetime) -> datetime:
         """When the attempt's work must end if an agent takes the request at ``accepted_at``: the same

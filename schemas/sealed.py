@@ -139,7 +139,8 @@ class Keyring:
         """The data key ``wrapped`` holds; SealingError naming the master key id when it does not open."""
         return TaskKey(base64.b64decode(self.unseal({SEALED: wrapped}, (task_id, "data-key"))))
 
-    def wrapped_with(self, wrapped: str) -> str:
+    @staticmethod
+    def wrapped_with(wrapped: str) -> str:
         """The id of the master key that wrapped ``wrapped`` (rotation rewraps the others)."""
         return wrapped.partition(":")[0]
 

@@ -17,7 +17,9 @@ expired only after a back-off that doubles each time (:mod:`supervisor.asks`).
 The same scan applies retention: tasks whose workflow keeps sensitive data for a while after they
 completed or were compensated, and whose time is up (``erase_due_at`` in the store), get an ``erase``
 command from ``retention``. Its command id is the task's (``retention:<task id>``), so however often it is
-sent -- a lagging projection, a new leader -- the scheduler erases once.
+sent -- a lagging projection, a new leader -- the scheduler erases once. And every ``keys_roll_s`` the
+leader appends a marker to each partition of ``keys`` (``eventstore.keys.roll``): Kafka rolls a segment only
+on an append, so without it an erased key would stay on the disk of an idle partition until its next write.
 """
 
 from __future__ import annotations
@@ -34,9 +36,10 @@ from prometheus_client import Counter, Gauge
 
 from eventstore.health import HEALTH
 from eventstore.kafka_config import connection_config
+from eventstore.keys import roll
 from eventstore.producer import EventProducer
 from eventstore.settings import KafkaSettings
-from eventstore.topics import TopicLayout
+from eventstore.topics import KEYS_SEGMENT_MS, TopicLayout
 from projections.store import Store
 from schemas.messages import OperatorCommand, RecoverStep
 from supervisor.asks import RecoveryAsks
@@ -53,7 +56,8 @@ class Supervisor:
     def __init__(self, *, bootstrap: str, layout: TopicLayout, store: Store, cadence_s: float = 5.0,
                  window_s: float = 24 * 3600, page_size: int = 200, resend_after_s: float = 30.0,
                  resend_max_s: float = 600.0, session_timeout_ms: int = 10000,
-                 stop_event: threading.Event | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 stop_event: threading.Event | None = None, clock: Callable[[], float] = time.monotonic,
+                 keys_roll_s: float = KEYS_SEGMENT_MS / 2000) -> None:
         self.layout = layout
         self.store = store
         self.cadence_s = cadence_s
@@ -65,6 +69,8 @@ class Supervisor:
         self._asks = RecoveryAsks(resend_after_s, resend_max_s)
         self._erasures = RecoveryAsks(resend_after_s, resend_max_s)
         self._clock = clock
+        self.keys_roll_s = keys_roll_s
+        self._next_roll = 0.0
         self._producer = EventProducer(bootstrap)
         self._lease = Consumer({
             **connection_config(bootstrap),
@@ -125,6 +131,10 @@ class Supervisor:
             RECOVERIES.inc(sent)
             log.info("recovery requested", count=sent)
         self.erase_due(now, clock)
+        if clock >= self._next_roll:
+            roll(self._producer, self.layout.keys, self.layout.partitions)
+            self._producer.flush()
+            self._next_roll = clock + self.keys_roll_s
         return sent
 
     def erase_due(self, now: datetime, clock: float) -> int:

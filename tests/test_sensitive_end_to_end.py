@@ -15,12 +15,12 @@ import psycopg
 import pytest
 from confluent_kafka.admin import AdminClient
 
-from eventstore.keys import read_keys
+from eventstore.keys import KeyProposer, read_key_records, read_keys
 from eventstore.producer import EventProducer
-from eventstore.replay import LogRange
+from eventstore.replay import LogRange, ReplayReader
 from eventstore.settings import KafkaSettings
 from scheduler.sealing import SubmissionSealer
-from schemas.messages import OperatorAlert, StepSucceeded, SubmitTask, TaskAccepted, TaskDataErased
+from schemas.messages import AgentRequest, OperatorAlert, StepSucceeded, SubmitTask, TaskAccepted, TaskDataErased
 from schemas.sealed import Keyring, SealingError, input_place, is_sealed
 from stepstream.client import Client, SubmissionContradicts, outbox
 from stepstream.client.outbox import OutboxRelay, OutboxSettings
@@ -71,6 +71,25 @@ def every_topic(system: System) -> Iterator[tuple[str, bytes]]:
             yield topic, (msg.key() or b"") + (msg.value() or b"") + headers
 
 
+def key_copies(system: System, task_ids: set[str]) -> list[bytes]:
+    """Every form in which the data keys of ``task_ids`` were ever on ``keys`` (as raw as it still holds them):
+    each wrapped key, a task's own or one a submitter proposed, and each data key itself, raw and base64."""
+    keyring = Keyring.parse(K1)
+    copies: list[bytes] = []
+    for msg in LogRange(system.bootstrap, system.layout.keys):
+        task = (msg.key() or b"").decode().split("#")[0]
+        if task in task_ids and msg.value() is not None:
+            key = keyring.unwrap(msg.value().decode(), task).key
+            copies += [msg.value(), key, base64.b64encode(key)]
+    return copies
+
+
+def holding(system: System, copies: list[bytes]) -> set[str]:
+    """The topics other than ``keys`` whose raw bytes hold any of ``copies``."""
+    return {topic for topic, data in every_topic(system)
+            if topic != system.layout.keys and any(copy in data for copy in copies)}
+
+
 def store_tables(system: System) -> str:
     """Every row of every table of the state store, as text."""
     with sqlite3.connect(system.store_path) as db:
@@ -110,7 +129,7 @@ def test_a_card_token_submitted_every_way_in_is_charged_yet_it_and_the_marked_ou
         pending = str(conn.execute("select * from stepstream_outbox.outbox").fetchall())
         assert "tok_by-outbox" not in pending, "the outbox row holds the token sealed"
         with OutboxRelay(OutboxSettings(dsn=postgres_url), bootstrap=system.bootstrap,
-                         topic=system.layout.inbox) as relay:
+                         topic=system.layout.inbox, keys_topic=system.layout.keys) as relay:
             assert relay.drain() == 1
 
     assert system.wait_terminal(tokens, timeout_s=90) == dict.fromkeys(tokens, "completed")
@@ -124,6 +143,7 @@ def test_a_card_token_submitted_every_way_in_is_charged_yet_it_and_the_marked_ou
         python.submit("orders-card", {**order("by-client"), "card_token": "tok_other_9999"}, task_id="by-client")
     contradiction = SubmissionSealer(SENSITIVE_REGISTRY, Keyring.parse(K1)).seal(SubmitTask(
         task_id="by-cli", workflow="orders-card", input={**order("by-cli"), "card_token": "tok_other_9999"}))
+    contradiction, = KeyProposer(system.bootstrap, system.layout.keys, system.layout.inbox).publish([contradiction])
     producer = EventProducer(system.bootstrap)
     producer.send(system.layout.inbox, contradiction)
     producer.flush()
@@ -147,6 +167,22 @@ def test_a_card_token_submitted_every_way_in_is_charged_yet_it_and_the_marked_ou
         assert secret not in metrics, "nor in a metric"
     accepted = next(e for e in system.events("by-http") if isinstance(e, TaskAccepted))
     assert is_sealed(accepted.input["card_token"]) and accepted.input["order_id"] == "by-http"
+
+    # Only charge is granted the card token: the payments agent's requests hold it sealed, the others' none.
+    for agent, granted in (("inventory", False), ("payments", True), ("shipping", False)):
+        requests = [r.message for r in ReplayReader(system.bootstrap, system.layout.agent(agent))
+                    if isinstance(r.message, AgentRequest)]
+        assert requests, agent
+        assert all(("card_token" in r.input["task"]) == granted for r in requests), agent
+        assert all(("card_token" in r.withheld) != granted for r in requests), agent
+
+    # Each way in proposed its key on keys (none on inbox): the scheduler took it and tombstoned the proposal.
+    copies = key_copies(system, set(tokens))
+    assert len(copies) >= 3 * 2 * len(tokens), "each task's own key and the key proposed for it"
+    assert holding(system, copies) == set(), "no data key, wrapped or not, on any other topic"
+    proposals = read_key_records(system.bootstrap, system.layout.keys, {}).proposals
+    assert {name.split("#")[0] for name in proposals} >= set(tokens)
+    assert all(wrapped is None for wrapped in proposals.values()), "every proposal taken and tombstoned"
     http.close()
 
 
@@ -160,6 +196,7 @@ def test_an_erased_task_opens_nowhere_shows_erased_after_a_rebuild_and_cannot_be
         for task in ("forget-me", "keep-me", "forget-me-too"):
             python.submit("orders-card", order(task), task_id=task)
         assert {python.wait(task)["status"] for task in ("forget-me", "keep-me", "forget-me-too")} == {"completed"}
+    copies = key_copies(system, {"forget-me"})
 
     erase = system.cli("task", "erase", "forget-me", "--wait")
     assert erase.returncode == 0, erase.stderr + erase.stdout
@@ -171,8 +208,11 @@ def test_an_erased_task_opens_nowhere_shows_erased_after_a_rebuild_and_cannot_be
     assert by_http.status_code == 200 and by_http.json()["detail"] == "task data erased: its data key is deleted"
     http.close()
 
-    keys = read_keys(system.bootstrap, system.layout.keys, {})
+    records = read_key_records(system.bootstrap, system.layout.keys, {})
+    keys = records.tasks
     assert keys["forget-me"] is None and keys["forget-me-too"] is None, "the tombstone is the last word on keys"
+    assert [wrapped for name, wrapped in records.proposals.items() if name.startswith("forget-me#")] == [None]
+    assert holding(system, copies) == set(), "inbox, events, agent topics, dlq: no copy of the erased key"
     wrapped = keys["keep-me"]
     assert wrapped is not None
     keyring = Keyring.parse(K1)
@@ -232,6 +272,9 @@ def test_a_new_master_key_seals_new_tasks_old_ones_still_open_and_their_keys_are
     with client(system) as python:
         python.submit("orders-card", order("before-rotation"), task_id="before-rotation")
         assert python.wait("before-rotation")["status"] == "completed"
+    still = system.cli("keys", "report", "--retiring", "k1", "--json")
+    assert still.returncode == 3, "k1 wraps a task's key: not to be deleted yet"
+    assert orjson.loads(still.stdout)["data_keys"] == {"k1": 1}
 
     system.env["STEPSTREAM_ENCRYPTION_KEYS"] = f"{K2},{K1}"
     for name in ("scheduler", "inventory", "payments", "shipping"):
@@ -253,6 +296,10 @@ def test_a_new_master_key_seals_new_tasks_old_ones_still_open_and_their_keys_are
         accepted.input["card_token"], input_place("before-rotation", "card_token")) \
         == order("before-rotation")["card_token"], "opens without the retired key: the log was not rewritten"
     assert len([e for e in system.events("before-rotation") if isinstance(e, TaskAccepted)]) == 1
+    retired = system.cli("keys", "report", "--retiring", "k1")
+    assert retired.returncode == 0, retired.stdout + retired.stderr
+    assert "k1: wraps no data key: it may be deleted" in retired.stdout
+    assert [line.split() for line in retired.stdout.splitlines() if line.startswith("k2")] == [["k2", "2", "0"]]
     assert not any(isinstance(e, OperatorAlert) for e in system.events("before-rotation")), \
         "the repeat sealed under the old task's key (opened with the old master key) is no contradiction"
 

@@ -72,19 +72,25 @@ def test_a_wrapped_task_key_opens_with_the_master_key_that_wrapped_it_even_after
 # ---- sealing submissions --------------------------------------------------------------------------
 
 
-def test_a_submission_has_only_its_marked_fields_sealed_and_carries_its_wrapped_key() -> None:
+def test_a_submission_has_only_its_marked_fields_sealed_and_carries_its_new_wrapped_key_to_propose() -> None:
     sealed = SubmissionSealer(REGISTRY, KEYRING).seal(submission())
     assert sealed.input["order_id"] == "o-1" and is_sealed(sealed.input["card_token"])
     assert sealed.data_key is not None and CARD not in sealed.model_dump_json()
     key = KEYRING.unwrap(sealed.data_key, "t1")
     assert open_input(PAY, "t1", sealed.input, key) == submission().input
     assert SubmissionSealer(REGISTRY, KEYRING).seal(sealed) is sealed, "sealed once, not twice"
+    assert sealed.key_ref is not None and sealed.key_ref != SubmissionSealer(REGISTRY, KEYRING).seal(
+        submission()).key_ref, "each new key has its own reference: no two proposals share a record"
+    proposed = sealed.model_copy(update={"data_key": None})  # as it goes to inbox, its key proposed on keys
+    assert SubmissionSealer(REGISTRY, KEYRING).seal(proposed) is proposed
 
 
 def test_a_repeat_sealed_under_the_tasks_own_key_is_the_same_submission_byte_for_byte() -> None:
     sealer = SubmissionSealer(REGISTRY, KEYRING)
     key = TaskKey.generate()
     assert sealer.seal(submission(), key).input == sealer.seal(submission(), key).input
+    assert sealer.seal(submission(), key).data_key is None and sealer.seal(submission(), key).key_ref is None, \
+        "the scheduler holds a known task's key: nothing to propose"
     assert sealer.seal(submission(), key).input != sealer.seal(submission(card_token="tok_other"), key).input
 
 

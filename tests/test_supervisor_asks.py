@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from eventstore.keys import ROLL, ROLL_RECORD
 from eventstore.topics import TopicLayout
 from projections.store import Positioned, SqliteStore
 from schemas.codec import default_codec
@@ -67,3 +68,23 @@ def test_while_the_projection_lags_scans_every_second_ask_for_an_expired_attempt
                                                                       timeout_s=5)]
     assert len(recoveries) == 5
     assert all(isinstance(r, RecoverStep) and r.attempt_id == "t-1:reserve:1" for r in recoveries)
+
+
+@pytest.mark.kafka
+def test_the_leaders_scan_appends_the_roll_marker_to_every_keys_partition_once_per_roll_interval(
+    bootstrap: str, layout: TopicLayout, tmp_path: Path,
+) -> None:
+    store = SqliteStore(tmp_path / "state.db")
+    clock = [0.0]
+    supervisor = Supervisor(bootstrap=bootstrap, layout=layout, store=store, clock=lambda: clock[0], keys_roll_s=10)
+    try:
+        for second in range(25):  # rolls at 0, 10 and 20
+            clock[0] = float(second)
+            supervisor.scan()
+    finally:
+        supervisor.stop()
+        store.close()
+
+    markers = read_all(bootstrap, layout.keys, expect=3 * layout.partitions + 1, timeout_s=5)
+    assert sorted(m.partition() for m in markers) == sorted(list(range(layout.partitions)) * 3)
+    assert all(m.key() == ROLL_RECORD.encode() and m.value() is None and ROLL in m.headers() for m in markers)

@@ -85,6 +85,11 @@ def _compensated_order_steps(charge_budget: int = 8) -> tuple[Step, ...]:
     )
 
 
+def _with_opens(steps: tuple[Step, ...], **opens: set[str]) -> tuple[Step, ...]:
+    """``steps`` with the sensitive values each named step is granted (``Step.opens``)."""
+    return tuple(replace(step, opens=frozenset(opens[step.name])) if step.name in opens else step for step in steps)
+
+
 def _with_undo(steps: tuple[Step, ...], only: str | None = None, **changes: Any) -> tuple[Step, ...]:
     """``steps`` with ``changes`` made to the compensation of each step (or of step ``only``)."""
     return tuple(step if step.compensation is None or only not in (None, step.name)
@@ -213,11 +218,14 @@ COMPENSATION_REGISTRY = WorkflowRegistry.of([ORDERS_V1, ORDERS_V2, ORDERS_COMP, 
                                              ORDERS_UNDO_WAITS])
 
 # ---- sensitive inputs (tests/test_sensitive_end_to_end.py) -----------------------------------------
-# The demo's paid order: ``card_token`` is sealed from submission on and opened by the agents only; charge's
-# output keeps its own marking, and a failed ship undoes what completed (the refund is given the sealed
-# values too). Run with an encryption key configured.
-ORDERS_CARD = Workflow(name="orders-card", version=1, steps=_compensated_order_steps(), failure_threshold=2,
-                       escalation="compensate", input_model=PaidOrderInput, sensitive_input=frozenset({"card_token"}))
+# The demo's paid order: ``card_token`` is sealed from submission on and opened by the payments agent only
+# (charge is the one step granted it; inventory and shipping requests never hold it); charge's output keeps
+# its own marking, and a failed ship undoes what completed (the refund is given the card token and the charge
+# whole). Run with an encryption key configured.
+ORDERS_CARD = Workflow(name="orders-card", version=1,
+                       steps=_with_opens(_compensated_order_steps(), charge={"card_token"}),
+                       failure_threshold=2, escalation="compensate", input_model=PaidOrderInput,
+                       sensitive_input=frozenset({"card_token"}))
 # The same, keeping a finished task's card data for 2 s only: then the supervisor erases it.
 ORDERS_CARD_BRIEF = replace(ORDERS_CARD, name="orders-card-brief", sensitive_retention_s=2.0)
 SENSITIVE_REGISTRY = WorkflowRegistry.of([ORDERS_V1, ORDERS_CARD, ORDERS_CARD_BRIEF])

@@ -2,7 +2,7 @@
 
 Each verb's command line is defined in its own module here, next to the few lines that call into the package
 that owns the work (``tasks``: submit, status, tasks; ``operator``: task ...; ``broker``: broker, topics;
-``run``: run, up; ``projections``, ``serve``, ``dlq``, ``outbox``, ``demo``). This module only gathers them
+``run``: run, up; ``projections``, ``serve``, ``dlq``, ``keys``, ``outbox``, ``demo``). This module only gathers them
 and turns the errors every verb may meet into exit codes.
 """
 
@@ -17,7 +17,7 @@ from confluent_kafka import KafkaException
 from eventstore.errors import KafkaUnreachable, StepstreamError
 from eventstore.kafka_config import kafka_reason
 from schemas.sealed import SealingError
-from stepstream.cli import broker, demo, dlq, operator, outbox, projections, run, serve, tasks
+from stepstream.cli import broker, demo, dlq, keys, operator, outbox, projections, run, serve, tasks
 
 EXIT_UNAVAILABLE = 69  # sysexits' EX_UNAVAILABLE: the Kafka cluster did not answer
 DESCRIPTION = ("``stepstream``: one thin command in front of every service and tool. Each sub-command parses its "
@@ -27,7 +27,7 @@ DESCRIPTION = ("``stepstream``: one thin command in front of every service and t
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stepstream", description=DESCRIPTION)
     commands = parser.add_subparsers(dest="command", required=True)
-    for verbs in (broker, run, tasks, operator, projections, serve, dlq, outbox, demo):
+    for verbs in (broker, run, tasks, operator, projections, serve, dlq, keys, outbox, demo):
         verbs.add_parsers(commands)
     return parser
 

@@ -97,7 +97,8 @@ def _relay(args: argparse.Namespace, settings: OutboxSettings, dsn: str) -> int:
         serve_health(observability.metrics_port)
     log.info("service starting", service="outbox relay")
     kafka = KafkaSettings()
-    with OutboxRelay(settings, bootstrap=kafka.resolved_bootstrap(), topic=TopicLayout.from_settings(kafka).inbox,
+    layout = TopicLayout.from_settings(kafka)
+    with OutboxRelay(settings, bootstrap=kafka.resolved_bootstrap(), topic=layout.inbox, keys_topic=layout.keys,
                      dsn=dsn, stop=stop) as relay:
         if args.once:
             relay.drain()

@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ from pydantic import ValidationError
 
 from eventstore.errors import StepstreamError
 from eventstore.kafka_config import connection_config, consume_available
-from eventstore.keys import DataKeys
+from eventstore.keys import DataKeys, KeyProposer
 from eventstore.producer import EventProducer
 from eventstore.settings import KafkaSettings
 from eventstore.topics import TopicLayout, TopicSpec, ensure_topics
@@ -82,12 +82,14 @@ class TaskWaitTimeout(StepstreamError, TimeoutError):
 class SubmissionKeys:
     """Seals the marked input fields of a submission before it is produced: a new task under a new data key,
     a task the store already knows under its own (read from ``keys``), so that a repeat seals to the bytes
-    the task was accepted with and is told from a contradiction as any repeat is."""
+    the task was accepted with and is told from a contradiction as any repeat is. A new key is proposed on
+    ``keys`` (``ready``), never sent on ``inbox``."""
 
     def __init__(self, registry: WorkflowRegistry, keyring: Keyring | None, *, bootstrap: str,
                  layout: TopicLayout) -> None:
         self.sealer = SubmissionSealer(registry, keyring)
         self._keys = DataKeys(bootstrap, layout.keys)
+        self._proposer = KeyProposer(bootstrap, layout.keys, layout.inbox)
 
     def seal(self, command: SubmitTask, known: bool) -> SubmitTask:
         """``command`` sealed; ``known``: the state store has a task with this id."""
@@ -97,6 +99,11 @@ class SubmissionKeys:
         keyring = self.sealer.keyring
         key = keyring.unwrap(wrapped, command.task_id) if wrapped is not None and keyring is not None else None
         return self.sealer.seal(command, key)
+
+    def ready(self, commands: Sequence[SubmitTask]) -> list[SubmitTask]:
+        """Sealed ``commands`` as they may go to ``inbox``: the new data keys they carry proposed on ``keys``
+        first (acknowledged) and taken off."""
+        return self._proposer.publish(commands)
 
 
 class Client:
@@ -155,7 +162,7 @@ class Client:
                                         f"v{known['workflow_version']}, {known['status']}); nothing was submitted")
         self._seen_at_submit[command.task_id] = known["sequence"] if known else 0
         self._message_ids[command.task_id] = command.message_id
-        self._producer.send(self.layout.inbox, command)
+        self._producer.send(self.layout.inbox, self.sealing.ready([command])[0])
         self._producer.flush()
         return command.task_id
 

@@ -9,7 +9,10 @@ for an order that does not exist. The outbox makes the submission a row of the a
   its transaction: the business row and the submission commit together or not at all.
 * ``OutboxRelay`` claims unsent rows in id order (``FOR UPDATE SKIP LOCKED``, a batch at a time), produces
   them to ``inbox`` keyed by task id with the idempotent producer, waits for every acknowledgement
-  (acks=all), then deletes them (or marks them sent) in the transaction that claimed them.
+  (acks=all), then deletes them (or marks them sent) in the transaction that claimed them. A row whose
+  marked input was sealed under a new data key holds that key wrapped: the relay proposes it on ``keys``
+  and waits for the acknowledgement before producing the row's submission, which goes without it
+  (``eventstore.keys``), so ``inbox`` never holds a data key.
 
 Delivery is at least once: a relay that dies after producing and before its commit leaves the rows
 unsent, and the next relay produces them again. That is harmless because the row carries the task id,
@@ -42,12 +45,14 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from eventstore.errors import InfrastructureError, StepstreamError
 from eventstore.health import HEALTH
+from eventstore.keys import KeyProposer
 from eventstore.producer import EventProducer
 from projections.settings import StoreSettings, StoreSpec
 from scheduler.sealing import SubmissionSealer
 from scheduler.settings import SchedulerSettings
 from scheduler.workflow import WorkflowRegistry
 from schemas.codec import Codec, default_codec
+from schemas.errors import DecodeError
 from schemas.messages import SubmitTask
 from schemas.sealed import EncryptionSettings, Keyring, SealingError
 from stepstream.client import InvalidSubmission, check_submission
@@ -176,6 +181,16 @@ def _codec() -> Codec:
     return default_codec()
 
 
+def _submission(codec: Codec, payload: bytes) -> SubmitTask | None:
+    """The submission a row holds; None for a payload that is none (relayed as it is: the scheduler
+    dead-letters it with its reason, rather than the relay stopping on it)."""
+    try:
+        message = codec.decode(payload)
+    except DecodeError:
+        return None
+    return message if isinstance(message, SubmitTask) else None
+
+
 def enqueue(conn: psycopg.Connection[Any], submission: SubmitTask, *, schema: str = DEFAULT_SCHEMA,
             registry: WorkflowRegistry | None = None, keyring: Keyring | None = None) -> int:
     """Add ``submission`` to the outbox on the application's connection, in its open transaction.
@@ -253,11 +268,12 @@ class OutboxRelay:
     and exists so tests (and the documentation) can show what a crash at that point does.
     """
 
-    def __init__(self, settings: OutboxSettings, *, bootstrap: str, topic: str, dsn: str | None = None,
+    def __init__(self, settings: OutboxSettings, *, bootstrap: str, topic: str, keys_topic: str, dsn: str | None = None,
                  stop: threading.Event | None = None, producer: EventProducer | None = None) -> None:
         self.settings = settings
         self.schema = settings.db_schema
         self.topic = topic
+        self.proposer = KeyProposer(bootstrap, keys_topic, topic)
         self.dsn = dsn or settings.resolved_dsn()
         self.stop = stop or threading.Event()
         self.producer = producer or EventProducer(bootstrap)
@@ -295,8 +311,8 @@ class OutboxRelay:
             rows = [OutboxRow(int(r[0]), str(r[1]), bytes(r[2])) for r in claimed]
             if not rows:
                 return 0
-            for row in rows:
-                self.producer.send_raw(self.topic, row.task_id, row.payload)
+            for row, payload in zip(rows, self._without_keys(rows), strict=True):
+                self.producer.send_raw(self.topic, row.task_id, payload)
             self.producer.flush(self.settings.flush_timeout_s)  # raises unless every row is acknowledged
             self.after_produce(rows)
             ids = [row.id for row in rows]
@@ -309,6 +325,18 @@ class OutboxRelay:
         self._relayed_metric.inc(len(rows))
         log.debug("outbox batch relayed", rows=len(rows), first_id=rows[0].id, last_id=rows[-1].id)
         return len(rows)
+
+    def _without_keys(self, rows: list[OutboxRow]) -> list[bytes]:
+        """The rows' payloads as they may go to ``inbox``: the data keys rows hold proposed on ``keys`` (and
+        acknowledged) and taken off their submissions."""
+        codec = _codec()
+        commands = [_submission(codec, row.payload) for row in rows]
+        keyed = [c for c in commands if c is not None and c.data_key is not None]
+        if not keyed:
+            return [row.payload for row in rows]
+        published = {c.message_id: c for c in self.proposer.publish(keyed, self.settings.flush_timeout_s)}
+        return [codec.encode(published[c.message_id]) if c is not None and c.message_id in published else row.payload
+                for row, c in zip(rows, commands, strict=True)]
 
     def update_gauges(self) -> Backlog:
         current = backlog(self._connection(), self.schema)
@@ -355,6 +383,7 @@ class OutboxRelay:
     def close(self) -> None:
         try:
             self.producer.flush(self.settings.flush_timeout_s)
+            self.proposer.close()
         finally:
             if self._conn is not None:
                 self._conn.close()

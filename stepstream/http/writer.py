@@ -143,7 +143,7 @@ class TaskWriter:
             return self._too_busy(command.task_id, refusal)
         try:
             with self.watcher.expect(command.message_id) as waiter:
-                self._deliver(command)
+                self._deliver(self.sealing.ready([command])[0])
                 waiter.done.wait(self.settings.decision_timeout_s)
         except DeliveryFailed:
             self.admission.release(command.task_id)

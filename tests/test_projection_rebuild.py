@@ -20,11 +20,11 @@ from projections.rebuild import (
     Replayer,
     rebuild_into,
     rebuild_live,
-    sources,
     until_time,
     verify_against_replay,
     verify_stores,
 )
+from projections.replaying import sources
 from projections.settings import StoreSpec
 from projections.store import Store
 from schemas.messages import StepStarted

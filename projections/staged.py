@@ -23,7 +23,6 @@ import sqlite3
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
-from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -129,8 +128,8 @@ def shared_task(paths: Iterator[Path]) -> str | None:
     """A task id with rows in more than one of the staging stores, if any: a merge of each store's sorted
     task ids, so memory stays flat however many tasks there are."""
     connections = [sqlite3.connect(f"file:{path}?mode=ro", uri=True) for path in paths]
+    streams = [_task_ids(conn, i) for i, conn in enumerate(connections)]
     try:
-        streams = [_task_ids(conn, i) for i, conn in enumerate(connections)]
         previous: tuple[str, int] | None = None
         for task_id, unit in heapq.merge(*streams):
             if previous is not None and previous[0] == task_id and previous[1] != unit:
@@ -138,13 +137,15 @@ def shared_task(paths: Iterator[Path]) -> str | None:
             previous = (task_id, unit)
         return None
     finally:
+        for stream in streams:  # before their connections
+            stream.close()
         for conn in connections:
             conn.close()
 
 
 def _task_ids(conn: sqlite3.Connection, unit: int) -> Iterator[tuple[str, int]]:
-    with closing(conn.execute("select task_id from task_history union select task_id from projection_errors "
-                              "where task_id is not null order by 1")) as cursor:
-        while chunk := cursor.fetchmany(2000):
-            for (task_id,) in chunk:
-                yield task_id, unit
+    cursor = conn.execute("select task_id from task_history union select task_id from projection_errors "
+                          "where task_id is not null order by 1")
+    while chunk := cursor.fetchmany(2000):
+        for (task_id,) in chunk:
+            yield task_id, unit

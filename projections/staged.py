@@ -21,7 +21,7 @@ import multiprocessing
 import shutil
 import sqlite3
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,7 +143,7 @@ def shared_task(paths: Iterator[Path]) -> str | None:
             conn.close()
 
 
-def _task_ids(conn: sqlite3.Connection, unit: int) -> Iterator[tuple[str, int]]:
+def _task_ids(conn: sqlite3.Connection, unit: int) -> Generator[tuple[str, int], None, None]:
     cursor = conn.execute("select task_id from task_history union select task_id from projection_errors "
                           "where task_id is not null order by 1")
     while chunk := cursor.fetchmany(2000):

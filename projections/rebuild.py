@@ -176,7 +176,8 @@ class RebuildReport:
 
     def as_json(self) -> dict[str, Any]:
         return {"store": self.store, "records": self.records, "applied": self.replay.applied,
-                "rejected": self.replay.rejected, "staged": self.replay.staged, "seconds": round(self.seconds, 3),
+                "rejected": self.replay.rejected, "staged": self.replay.staged,
+                "loading_seconds": round(self.replay.loading_s, 3), "seconds": round(self.seconds, 3),
                 "records_per_s": round(self.records / self.seconds) if self.seconds else None,
                 "swapped": self.swapped, "offsets": {t: {str(p): o for p, o in v.items()}
                                                      for t, v in self.offsets.items()}}

@@ -63,6 +63,7 @@ class ReplayStats:
     rejected: int = 0  # refused by a constraint: in projection_errors
     seconds: float = 0.0
     staged: bool = False  # partitions replayed side by side (``projections.staged``), not in order here
+    loading_s: float = 0.0  # of ``seconds``, loading the staged rows into the target
 
     def add(self, other: ReplayStats) -> None:
         self.records += other.records
@@ -71,6 +72,7 @@ class ReplayStats:
         self.rejected += other.rejected
         self.seconds += other.seconds
         self.staged = self.staged or other.staged
+        self.loading_s += other.loading_s
 
 
 def apply_range(store: Store, source: Source, log_range: LogRange, batch_size: int, stats: ReplayStats,

@@ -21,6 +21,7 @@ import multiprocessing
 import shutil
 import sqlite3
 import tempfile
+import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
@@ -71,6 +72,7 @@ def _replay_unit(unit: Unit, batch_size: int) -> ReplayStats:
     """In a worker: the unit's partitions into its staging store, in order, as a replay in this process would."""
     stats = ReplayStats()
     store = SqliteStore(unit.path, scratch=True)
+    store.keys_only()
     try:
         log_range = LogRange(unit.bootstrap, unit.source.topic, partitions=unit.partitions, starts=unit.starts,
                              ends=unit.ends)
@@ -105,11 +107,13 @@ def replay_staged(ranges: Sequence[tuple[Source, LogRange]], bootstrap: str, tar
         if shared is not None:
             raise StagingRefused(f"task {shared} has events in more than one partition")
         staged = [SqliteStore(unit.path, scratch=True) for unit in units]
+        started = time.perf_counter()
         try:
             target.load_staged(staged)
         finally:
             for store in staged:
                 store.close()
+        stats.loading_s = time.perf_counter() - started
         return stats
     finally:
         shutil.rmtree(folder, ignore_errors=True)

@@ -556,6 +556,18 @@ class SqliteStore(Store):
     def staging_folder(self) -> Path:
         return self.path.parent  # beside the store: where its owner chose to have room for it
 
+    def keys_only(self) -> None:
+        """Drop every index that is not a key or unique, for a staging store: the row mapping finds rows by key,
+        the other indexes serve queries a staging store never answers, and each event's updates would maintain
+        them (a third of a replay's writing); the target builds them once a row as it loads. Unique ones stay:
+        what they refuse is refused in staging as in the target."""
+        with self._lock, self._write() as db:
+            for table in self._layouts(db):
+                # seq, name, unique, origin ('c': made by create index), partial
+                for _seq, name, unique, origin, _partial in db.execute(f"pragma index_list({table.name})").fetchall():
+                    if origin == "c" and not unique:
+                        db.execute(f"drop index {name}")
+
     def load_staged(self, staged: Sequence[SqliteStore]) -> None:
         """Each staging store attached in turn and copied in SQL, a transaction each (SQLite attaches outside
         a transaction only). The staging stores' task ids are disjoint (checked before), so no key collides."""

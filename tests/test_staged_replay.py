@@ -4,7 +4,9 @@ order when the partitions cannot be merged."""
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -14,7 +16,7 @@ from eventstore.topics import TopicLayout
 from projections.rebuild import Replayer, verify_stores
 from projections.replaying import ReplayStats, sources
 from projections.settings import StoreSpec
-from projections.store import Store
+from projections.store import SqliteStore, Store
 from schemas.messages import OperatorCommand, TaskAccepted, TaskRejected
 from tests.histories import histories, publish
 
@@ -95,3 +97,20 @@ def test_a_task_whose_events_span_partitions_is_replayed_in_order_instead(
     _ordered, staged = _replay_both(bootstrap, layout, stores)
     assert not staged.staged
     assert stores[1].task(task) is not None
+
+
+def test_a_staging_store_keeps_only_the_indexes_that_refuse_rows(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "staging.db", scratch=True)
+    try:
+        with store._write() as db:
+            db.execute("create unique index alerts_once on alerts (task_id, occurred_at)")
+        store.keys_only()
+        with store._write() as db:
+            left = {name for (name,) in db.execute("select name from sqlite_master where type = 'index'")}
+            assert "alerts_once" in left and "tasks_by_created" not in left
+            assert {"sqlite_autoindex_tasks_1", "sqlite_autoindex_task_history_1"} <= left
+            db.execute("insert into alerts(task_id, reason, occurred_at) values ('t', 'r', 1)")
+            with pytest.raises(sqlite3.IntegrityError):
+                db.execute("insert into alerts(task_id, reason, occurred_at) values ('t', 'again', 1)")
+    finally:
+        store.close()

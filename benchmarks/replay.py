@@ -14,8 +14,8 @@ histories (tests/histories.py: ~8 events a task, retries, failures, alerts) and 
 1. raw ``Consumer.consume(500)``, read_committed, from the beginning to the end (median of 3): the ceiling;
 2. ``stepstream projections rebuild --into FILE`` (SQLite), the real command in its own process, twice: in
    order in one process (``--workers 1``, the baseline: how every rebuild ran before) and with partitions
-   side by side (``--workers N``, default the command's own); the command's resident memory (VmRSS) is
-   sampled 5 times a second: it must stay flat as the replay goes on (the workers' own is not in it);
+   side by side (``--workers N``, default the command's own); the resident memory (VmRSS) of the command
+   and its worker processes together is sampled 5 times a second: it must stay flat as the replay goes on;
 3. the same two into a PostgreSQL schema;
 4. where the time goes, in this process on the first 100,000 records: decoding (Avro + pydantic), the row
    mapping's Python side (``rows.project`` against a null executor), and applying decoded events to a
@@ -29,6 +29,7 @@ Progress goes to stderr, the table to stdout; the last line of stdout is one JSO
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import statistics
@@ -160,7 +161,7 @@ def raw_consume(bootstrap: str, topic: str, keep: int = 0) -> tuple[Stage, list[
 
 
 def rebuild_command(name: str, env: dict[str, str], into: str, workers: int | None) -> Stage:
-    """``stepstream projections rebuild --into`` in its own process, its RSS sampled meanwhile."""
+    """``stepstream projections rebuild --into`` in its own process, its RSS (workers included) sampled meanwhile."""
     extra = [] if workers is None else ["--workers", str(workers)]
     child = subprocess.Popen([sys.executable, "-m", "stepstream", "projections", "rebuild", "--into", into, "--json",
                               "--no-progress", *extra], env=env, cwd=ROOT, stdout=subprocess.PIPE,
@@ -168,13 +169,9 @@ def rebuild_command(name: str, env: dict[str, str], into: str, workers: int | No
     samples: list[float] = []
 
     def sample() -> None:
-        status = Path(f"/proc/{child.pid}/status")
         while child.poll() is None:
-            try:
-                rss = next(line for line in status.read_text().splitlines() if line.startswith("VmRSS:"))
-                samples.append(int(rss.split()[1]) / 1024)
-            except (OSError, StopIteration):
-                pass
+            with contextlib.suppress(OSError, StopIteration):  # a process that just ended: the next sample
+                samples.append(sum(_rss_mb(pid) for pid in _with_descendants(child.pid)))
             time.sleep(0.2)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -185,6 +182,17 @@ def rebuild_command(name: str, env: dict[str, str], into: str, workers: int | No
         raise RuntimeError(f"{name} failed ({child.returncode}): {err.decode()[-2000:]}")
     report = orjson.loads(out)
     return Stage(name, int(report["records"]), float(report["seconds"]), samples, report=report)
+
+
+def _with_descendants(pid: int) -> list[int]:
+    """The process and its children's children: a staged rebuild's worker processes count too."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [pid, *(p for child in children for p in _with_descendants(int(child)))]
+
+
+def _rss_mb(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return int(next(line for line in status if line.startswith("VmRSS:")).split()[1]) / 1024
 
 
 def rebuild_pair(backend: str, env: dict[str, str], into: str, workers: int | None) -> list[Stage]:

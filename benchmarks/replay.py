@@ -170,7 +170,7 @@ def rebuild_command(name: str, env: dict[str, str], into: str, workers: int | No
 
     def sample() -> None:
         while child.poll() is None:
-            with contextlib.suppress(OSError, StopIteration):  # a process that just ended: the next sample
+            with contextlib.suppress(OSError):  # a process that just ended: the next sample
                 samples.append(sum(_rss_mb(pid) for pid in _with_descendants(child.pid)))
             time.sleep(0.2)
 
@@ -191,8 +191,9 @@ def _with_descendants(pid: int) -> list[int]:
 
 
 def _rss_mb(pid: int) -> float:
+    """0 for a process that ended and waits to be reaped (no VmRSS line)."""
     status = Path(f"/proc/{pid}/status").read_text().splitlines()
-    return int(next(line for line in status if line.startswith("VmRSS:")).split()[1]) / 1024
+    return sum(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
 
 
 def rebuild_pair(backend: str, env: dict[str, str], into: str, workers: int | None) -> list[Stage]:

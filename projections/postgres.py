@@ -24,7 +24,7 @@ from psycopg import sql as pgsql
 from eventstore.errors import InfrastructureError
 from projections.migrations import Dialect, migrate
 from projections.settings import DEFAULT_SCHEMA
-from projections.store import Store, TableLayout, layouts_from_columns
+from projections.store import SqliteStore, StagingRefused, Store, TableLayout, layouts_from_columns
 
 
 @functools.lru_cache(maxsize=512)
@@ -130,6 +130,25 @@ class PostgresStore(Store):
     def _bulk(self, db: Any) -> AbstractContextManager[None]:
         pipeline: AbstractContextManager[None] = db.conn.pipeline()
         return pipeline
+
+    def load_staged(self, staged: Sequence[SqliteStore]) -> None:
+        """COPY every staged row in one transaction: a refused row (text SQLite takes and PostgreSQL does not,
+        a NUL character) leaves the store empty as it was."""
+        try:
+            with self._lock, self._write() as db:
+                for other in staged:
+                    with other.snapshot() as view:
+                        for table in view.tables():
+                            columns = pgsql.SQL(", ").join(pgsql.Identifier(c) for c in table.columns)
+                            statement = pgsql.SQL("copy {} ({}) from stdin").format(
+                                pgsql.Identifier(table.name), columns)
+                            with db.conn.cursor().copy(statement) as copy:
+                                for row in view.rows(table):
+                                    copy.write_row(row)
+        except Exception as exc:
+            if self._is_data_error(exc):
+                raise StagingRefused(f"{self.describe()} refused a staged row: {exc}") from exc
+            raise
 
     def _is_data_error(self, exc: BaseException) -> bool:
         return isinstance(exc, (psycopg.IntegrityError, psycopg.DataError))

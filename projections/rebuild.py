@@ -17,61 +17,42 @@ Both show progress (records, records/s, remaining, ETA) on a rich console.
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from confluent_kafka import Message as KafkaMessage
+import structlog
 from rich.console import Console
 from rich.progress import BarColumn, Progress, ProgressColumn, Task, TaskID, TextColumn, TimeRemainingColumn
 from rich.table import Table
 from rich.text import Text
 
 from eventstore.console import command_console
-from eventstore.dlq import DeadLetter
 from eventstore.replay import LogRange, offsets_at
-from eventstore.topics import TopicLayout
-from projections.dlq_rows import project_dead_letter
-from projections.rows import project
-from projections.store import Positioned, Projection, Store, StoreView
-from schemas.codec import Codec, default_codec
-from schemas.errors import DecodeError
-from schemas.messages import Event
+from projections.replaying import ReplayStats, Source, apply_range
+from projections.staged import replay_staged
+from projections.store import StagingRefused, Store, StoreView
+
+log = structlog.get_logger("stepstream.rebuild")
 
 CATCH_UP_ROUNDS = 10  # before the swap, replay again while more than a batch arrived meanwhile
+# A staged replay (partitions side by side) starts its worker processes, each importing the code and
+# connecting, about a second: below this many records a replay in order is done sooner.
+STAGE_FROM = 50_000
+
+
+def default_workers() -> int:
+    """Twice the cores: a worker waits on the broker and the disk part of the time, and one per partition
+    keeps partitions from queueing behind each other (three partitions on two workers take two rounds)."""
+    return 2 * (os.cpu_count() or 1)
 SAMPLES_PER_TABLE = 5
 
 Offsets = dict[str, dict[int, int]]  # topic -> partition -> next offset
-
-
-@dataclass(frozen=True)
-class Source:
-    """A topic the store is derived from: how a record becomes something to apply (None: skip it, as
-    the live projector does), and how that changes rows."""
-
-    topic: str
-    convert: Callable[[KafkaMessage], Any]
-    projection: Projection[Any]
-
-
-def sources(layout: TopicLayout, codec: Codec | None = None) -> list[Source]:
-    """``events`` (undecodable records and non-events are dead-lettered by the live projector, never
-    applied: skipped here alike) and ``dlq``."""
-    codec = codec or default_codec()
-
-    def event(msg: KafkaMessage) -> Event | None:
-        try:
-            message = codec.decode(msg.value())
-        except DecodeError:
-            return None
-        return message if isinstance(message, Event) else None
-
-    return [Source(layout.events, event, project),
-            Source(layout.dlq, DeadLetter.from_message, project_dead_letter)]
 
 
 class _Rate(ProgressColumn):
@@ -95,31 +76,22 @@ def progress_bar(console: Console | None) -> Progress:
                     TimeRemainingColumn(), console=console or command_console(stderr=True), disable=console is None)
 
 
-@dataclass
-class ReplayStats:
-    records: int = 0
-    applied: int = 0
-    skipped: int = 0  # already in the store (a catch-up overlapping what the store had)
-    rejected: int = 0  # refused by a constraint: in projection_errors
-    seconds: float = 0.0
-
-    def add(self, other: ReplayStats) -> None:
-        self.records += other.records
-        self.applied += other.applied
-        self.skipped += other.skipped
-        self.rejected += other.rejected
-        self.seconds += other.seconds
-
-
 class Replayer:
-    """Replays the sources into a store, a batch (one transaction, with its offsets) at a time."""
+    """Replays the sources into a store, a batch (one transaction, with its offsets) at a time.
+
+    Into an empty store, a replay of at least ``stage_from`` records takes partitions side by side in up
+    to ``workers`` processes (``projections.staged``); otherwise, or when the staged rows cannot be merged,
+    in order in this process.
+    """
 
     def __init__(self, bootstrap: str, topics: Sequence[Source], *, batch_size: int = 2000,
-                 progress: Progress | None = None) -> None:
+                 progress: Progress | None = None, workers: int = 1, stage_from: int = STAGE_FROM) -> None:
         self.bootstrap = bootstrap
         self.sources = list(topics)
         self.batch_size = batch_size
         self.progress = progress
+        self.workers = workers
+        self.stage_from = stage_from
 
     @property
     def topics(self) -> list[str]:
@@ -148,35 +120,43 @@ class Replayer:
                listed_only: bool = False, label: str = "replaying") -> ReplayStats:
         """From the store's offsets up to ``ends`` (default: the high watermarks now). With
         ``listed_only``, only the partitions ``ends`` lists are read."""
-        stats = ReplayStats()
         started = time.perf_counter()
         ranges = self._ranges(store, ends, listed_only)
         task = self._task(label, sum(r.total for _s, r in ranges))
-        for source, log_range in ranges:
-            batch: list[Positioned[Any]] = []
-            for msg in log_range:
-                stats.records += 1
-                item = source.convert(msg)
-                if item is not None:
-                    batch.append(Positioned(msg.partition(), msg.offset(), item))
-                if len(batch) >= self.batch_size:
-                    self._apply(store, source, batch, stats, task)
-                    batch = []
-            self._apply(store, source, batch, stats, task)
+        stats = None
+        if self._stages(store, ranges):
+            stats = self._staged(store, ranges, task)
+            if stats is None:  # made again as they were: the staged replay read them
+                ranges = self._ranges(store, {s.topic: dict(r.ends) for s, r in ranges}, listed_only=True)
+        if stats is None:
+            stats = ReplayStats()
+            for source, log_range in ranges:
+                apply_range(store, source, log_range, self.batch_size, stats,
+                            lambda: self._advance(task, stats.records))
         stats.seconds = time.perf_counter() - started
         if self.progress is not None and task is not None:
             # The totals counted offsets; transaction markers take offsets but are no records.
             self.progress.update(task, completed=stats.records, total=stats.records)
         return stats
 
-    def _apply(self, store: Store, source: Source, batch: list[Positioned[Any]], stats: ReplayStats,
-               task: TaskID | None) -> None:
-        result = store.apply_batch(source.topic, batch, source.projection)
-        stats.applied += result.applied
-        stats.skipped += result.skipped
-        stats.rejected += result.rejected
+    def _stages(self, store: Store, ranges: list[tuple[Source, LogRange]]) -> bool:
+        return (self.workers > 1 and sum(r.total for _s, r in ranges) >= self.stage_from
+                and not any(store.offsets(source.topic) for source, _r in ranges))
+
+    def _staged(self, store: Store, ranges: list[tuple[Source, LogRange]], task: TaskID | None) -> ReplayStats | None:
+        """The replay side by side; None, ``store`` as it was, when its rows could not be merged."""
+        for _source, log_range in ranges:
+            log_range.close()  # the workers read the ranges; these only fixed where they end
+        try:
+            return replay_staged(ranges, self.bootstrap, store, batch_size=self.batch_size, workers=self.workers,
+                                 progress=lambda records: self._advance(task, records))
+        except StagingRefused as exc:
+            log.warning("replaying in order: the partitions replayed side by side cannot be merged", error=str(exc))
+        return None
+
+    def _advance(self, task: TaskID | None, records: int) -> None:
         if self.progress is not None and task is not None:
-            self.progress.update(task, completed=stats.records)
+            self.progress.update(task, completed=records)
 
     def _task(self, label: str, total: int) -> TaskID | None:
         return None if self.progress is None else self.progress.add_task(label, total=total)
@@ -196,7 +176,8 @@ class RebuildReport:
 
     def as_json(self) -> dict[str, Any]:
         return {"store": self.store, "records": self.records, "applied": self.replay.applied,
-                "rejected": self.replay.rejected, "seconds": round(self.seconds, 3),
+                "rejected": self.replay.rejected, "staged": self.replay.staged,
+                "loading_seconds": round(self.replay.loading_s, 3), "seconds": round(self.seconds, 3),
                 "records_per_s": round(self.records / self.seconds) if self.seconds else None,
                 "swapped": self.swapped, "offsets": {t: {str(p): o for p, o in v.items()}
                                                      for t, v in self.offsets.items()}}

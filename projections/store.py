@@ -48,6 +48,11 @@ _IN_PROGRESS = _status_in(STEPS_IN_PROGRESS)  # the ``steps_leased`` partial ind
 _FAILED = _status_in(STEPS_FAILED)  # the ``steps_failed`` partial index's condition
 
 
+class StagingRefused(Exception):
+    """Rows replayed side by side cannot be merged into the target (``projections.staged``); nothing was
+    loaded, and the replay runs in order instead."""
+
+
 @dataclass(frozen=True)
 class ExpiredStep:
     task_id: str
@@ -148,6 +153,15 @@ class Store(ABC):
         and must bring ``fresh`` at least that far, so the live projector, which resumes from the
         offsets it finds, never skips an event. ``fresh`` is consumed.
         """
+
+    @abstractmethod
+    def load_staged(self, staged: Sequence[SqliteStore]) -> None:
+        """Copy every projection row of ``staged`` (partitions replayed side by side into stores of their own)
+        into this empty store. Raises ``StagingRefused`` when a row is refused, this store left unchanged."""
+
+    def staging_folder(self) -> Path | None:
+        """Where a replay keeps its staging stores (None: the system's temporary folder)."""
+        return None
 
     def analyze(self) -> None:
         """Refresh the planner's statistics (after a bulk load)."""
@@ -538,6 +552,38 @@ class SqliteStore(Store):
 
     def sibling(self, tag: str) -> SqliteStore:
         return SqliteStore(self.path.with_name(f"{self.path.name}.{tag}"), scratch=True)
+
+    def staging_folder(self) -> Path:
+        return self.path.parent  # beside the store: where its owner chose to have room for it
+
+    def keys_only(self) -> None:
+        """Drop every index that is not a key or unique, for a staging store: the row mapping finds rows by key,
+        the other indexes serve queries a staging store never answers, and each event's updates would maintain
+        them (a third of a replay's writing); the target builds them once a row as it loads. Unique ones stay:
+        what they refuse is refused in staging as in the target."""
+        with self._lock, self._write() as db:
+            for table in self._layouts(db):
+                # seq, name, unique, origin ('c': made by create index), partial
+                for _seq, name, unique, origin, _partial in db.execute(f"pragma index_list({table.name})").fetchall():
+                    if origin == "c" and not unique:
+                        db.execute(f"drop index {name}")
+
+    def load_staged(self, staged: Sequence[SqliteStore]) -> None:
+        """Each staging store attached in turn and copied in SQL, a transaction each (SQLite attaches outside
+        a transaction only). The staging stores' task ids are disjoint (checked before), so no key collides."""
+        with self._lock:
+            for other in staged:
+                alias = f"staged_{uuid.uuid4().hex[:8]}"
+                self._conn.execute(f"attach database ? as {alias}", (str(other.path),))
+                try:
+                    with self._write() as db:
+                        for table in self._layouts(db, alias):
+                            if table.name not in BOOKKEEPING:
+                                columns = ", ".join(table.columns)
+                                db.execute(f"insert into main.{table.name} ({columns}) "
+                                           f"select {columns} from {alias}.{table.name}")
+                finally:
+                    self._conn.execute(f"detach database {alias}")
 
     def discard(self) -> None:
         self.close()

@@ -20,11 +20,11 @@ from projections.rebuild import (
     Replayer,
     rebuild_into,
     rebuild_live,
-    sources,
     until_time,
     verify_against_replay,
     verify_stores,
 )
+from projections.replaying import sources
 from projections.settings import StoreSpec
 from projections.store import Store
 from schemas.messages import StepStarted
@@ -176,6 +176,7 @@ def test_verify_reports_each_difference_and_exits_1(
     (["--into", "x.db", "--until-offset", "0-12"], "--until-offset '0-12'"),
     (["--into", "mysql://h/db"], "--into"),
     (["--batch-size", "0"], "--batch-size 0"),
+    (["--workers", "0"], "--workers 0"),
 ])
 def test_rebuild_refuses_bad_options_naming_them(
     argv: list[str], message: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],

@@ -19,14 +19,15 @@ from eventstore.topics import TopicLayout
 from projections.rebuild import (
     Offsets,
     Replayer,
+    default_workers,
     progress_bar,
     rebuild_into,
     rebuild_live,
-    sources,
     until_time,
     verify_against_replay,
     verify_stores,
 )
+from projections.replaying import sources
 from projections.settings import StoreSettings, StoreSpec
 from stepstream.errors import UsageError
 
@@ -58,10 +59,16 @@ def _emit(as_json: bool, payload: dict[str, Any], human: str) -> None:
         command_console().print(human)
 
 
-def rebuild(*, into: str | None, until_offset: str | None, until_time_text: str | None, batch_size: int,
-            as_json: bool, progress: bool) -> int:
+def _check_sizes(batch_size: int, workers: int) -> None:
     if batch_size < 1:
         raise UsageError(f"--batch-size {batch_size}: must be at least 1")
+    if workers < 1:
+        raise UsageError(f"--workers {workers}: must be at least 1 (1 replays in order in one process)")
+
+
+def rebuild(*, into: str | None, until_offset: str | None, until_time_text: str | None, batch_size: int,
+            workers: int, as_json: bool, progress: bool) -> int:
+    _check_sizes(batch_size, workers)
     if until_offset and until_time_text:
         raise UsageError("--until-offset and --until-time: choose one")
     kafka = KafkaSettings()
@@ -82,7 +89,7 @@ def rebuild(*, into: str | None, until_offset: str | None, until_time_text: str 
     elif moment is not None:
         until = until_time(bootstrap, [layout.events, layout.dlq], moment)
     with progress_bar(command_console(stderr=True) if progress else None) as bar:
-        replayer = Replayer(bootstrap, sources(layout), batch_size=batch_size, progress=bar)
+        replayer = Replayer(bootstrap, sources(layout), batch_size=batch_size, progress=bar, workers=workers)
         store = (target or live_spec).open()
         try:
             report = rebuild_into(store, replayer, until) if target else rebuild_live(store, replayer)
@@ -97,8 +104,9 @@ def rebuild(*, into: str | None, until_offset: str | None, until_time_text: str 
     return 0
 
 
-def verify(*, against: str | None, batch_size: int, as_json: bool, progress: bool) -> int:
+def verify(*, against: str | None, batch_size: int, workers: int, as_json: bool, progress: bool) -> int:
     """Exit 0 when the stores are equal, 1 when they differ."""
+    _check_sizes(batch_size, workers)
     kafka = KafkaSettings()
     layout = TopicLayout.from_settings(kafka)
     other_spec = _spec("--against", against) if against else None
@@ -108,7 +116,8 @@ def verify(*, against: str | None, batch_size: int, as_json: bool, progress: boo
         live = StoreSettings().open(kafka.home)
         try:
             if bootstrap is not None:
-                replayer = Replayer(bootstrap, sources(layout), batch_size=batch_size, progress=bar)
+                replayer = Replayer(bootstrap, sources(layout), batch_size=batch_size, progress=bar,
+                                    workers=workers)
                 comparison = verify_against_replay(live, replayer)
             elif other_spec is not None:
                 other = other_spec.open()
@@ -148,10 +157,14 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     check.add_argument("--against", metavar="STORE", help="compare with this store instead of a replay")
     for parser in (build, check):
         parser.add_argument("--batch-size", type=int, default=2000, help="records per transaction (default 2000)")
+        parser.add_argument("--workers", type=int, default=default_workers(),
+                            help="processes that replay partitions side by side into an empty store (default "
+                                 f"{default_workers()}: twice the cores; 1: in order in this process)")
         parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
         parser.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
     build.set_defaults(func=lambda a: rebuild(into=a.into, until_offset=a.until_offset, until_time_text=a.until_time,
-                                              batch_size=a.batch_size, as_json=a.json, progress=not a.no_progress))
-    check.set_defaults(func=lambda a: verify(against=a.against, batch_size=a.batch_size, as_json=a.json,
-                                             progress=not a.no_progress))
+                                              batch_size=a.batch_size, workers=a.workers, as_json=a.json,
+                                              progress=not a.no_progress))
+    check.set_defaults(func=lambda a: verify(against=a.against, batch_size=a.batch_size, workers=a.workers,
+                                             as_json=a.json, progress=not a.no_progress))
 

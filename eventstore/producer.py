@@ -24,6 +24,9 @@ class EventProducer:
                 else producer_config(bootstrap, **config))
         self._producer = Producer(conf)
         self._failures: list[KafkaError] = []
+        # Per (topic, partition), one past the highest offset a send was delivered at: where a log stood after
+        # this producer's last flush or commit (the scheduler's changelog records how far ``events`` is folded).
+        self.delivered_end: dict[tuple[str, int], int] = {}
         self.transactional = transactional_id is not None
 
     @property
@@ -56,9 +59,12 @@ class EventProducer:
             failures, self._failures = self._failures, []
             raise InfrastructureError(f"delivery failed: {failures[0]} (+{len(failures) - 1} more)")
 
-    def _delivered(self, err: KafkaError | None, _msg: Any) -> None:
+    def _delivered(self, err: KafkaError | None, msg: Any) -> None:
         if err is not None:
             self._failures.append(err)
+            return
+        where = (msg.topic(), msg.partition())
+        self.delivered_end[where] = max(self.delivered_end.get(where, 0), msg.offset() + 1)
 
     # -- transactions -------------------------------------------------------------------------
 

@@ -24,9 +24,8 @@ class EventProducer:
                 else producer_config(bootstrap, **config))
         self._producer = Producer(conf)
         self._failures: list[KafkaError] = []
-        # Per (topic, partition), one past the highest offset a send was delivered at: where a log stood after
-        # this producer's last flush or commit (the scheduler's changelog records how far ``events`` is folded).
-        self.delivered_end: dict[tuple[str, int], int] = {}
+        # Per (topic, partition), one past the highest offset a send was delivered at (``delivered_ends``).
+        self._delivered_end: dict[tuple[str, int], int] = {}
         self.transactional = transactional_id is not None
 
     @property
@@ -64,7 +63,15 @@ class EventProducer:
             self._failures.append(err)
             return
         where = (msg.topic(), msg.partition())
-        self.delivered_end[where] = max(self.delivered_end.get(where, 0), msg.offset() + 1)
+        self._delivered_end[where] = max(self._delivered_end.get(where, 0), msg.offset() + 1)
+
+    def delivered_ends(self, topic: str) -> dict[int, int]:
+        """Per partition of ``topic``, one past the highest offset this producer's sends were delivered at, so
+        far as their delivery reports came in: after a transaction committed, where the log stood then (the
+        scheduler's changelog records how far ``events`` is reflected). A commit delivers the sends but leaves
+        their reports queued; they are served here."""
+        self._producer.poll(0)
+        return {partition: end for (name, partition), end in self._delivered_end.items() if name == topic}
 
     # -- transactions -------------------------------------------------------------------------
 

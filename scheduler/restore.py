@@ -7,7 +7,10 @@ version without a changelog ran (a first start, a rolling upgrade), whatever tha
 checkpoint (a new changelog, or one lost) the restore folds ``events`` whole, as before the changelog, and
 every task is then written to the changelog with the next transaction. A task whose record this version
 cannot read is folded again from ``events`` alone (only its records are decoded; the others before the
-checkpoint are skipped by key), and quarantined as usual if that fold fails too.
+checkpoint are skipped by key), and quarantined as usual if that fold fails too. So is a task quarantined
+because its history did not fold (its record has no state): this version may be a release that folds it,
+and an operator's release needs its state. Either costs a read of the partition's ``events`` (decoding only
+those tasks' records), for as long as such a task stays quarantined.
 """
 
 from __future__ import annotations
@@ -58,13 +61,14 @@ def restore_partition(bootstrap: str, layout: TopicLayout, partition: int, seale
                         partition=partition, reason=str(saved))
             refold.add(task_id)
             continue
-        if saved.state is not None:
-            tasks[task_id] = sealer.open_state(saved.state, keys.get(task_id))
+        if saved.state is None:
+            # Quarantined because an earlier version could not fold its history: this one may (a fixed release).
+            refold.add(task_id)
+            continue
+        tasks[task_id] = sealer.open_state(saved.state, keys.get(task_id))
         if saved.quarantine is not None:
             quarantined[task_id] = saved.quarantine
-        last = saved.state.sequence if saved.state is not None else (
-            saved.quarantine.next_sequence - 1 if saved.quarantine is not None else 0)
-        reflected[task_id] = (saved.overlap_from, last)
+        reflected[task_id] = (saved.overlap_from, saved.state.sequence)
     fold = PartitionFold(default_codec(), sealer.opener(keys), tasks, quarantined, reflected)
     start = 0 if checkpoint is None or refold else checkpoint
     skip_below = checkpoint or 0

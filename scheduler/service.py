@@ -466,6 +466,7 @@ class Scheduler:
         (the runtime's ``on_batch_end``), with the tasks a restore folded from ``events`` and each touched
         partition's checkpoint: where ``events`` stood when this transaction began, every event below it now
         reflected by the changelog (``scheduler.changelog``)."""
+        delivered = output.delivered_ends(self.layout.events)
         with self._ownership:
             touched: dict[int, dict[str, int | None]] = {}
             for (partition, task_id), (before, _quarantine, _key) in self._batch.items():
@@ -476,12 +477,13 @@ class Scheduler:
             for partition, changed in touched.items():
                 if partition not in self._tasks:
                     continue  # not (or no longer) owned: its next owner restores it
-                self._save_partition(partition, changed, output)
+                self._save_partition(partition, changed, delivered.get(partition, 0), output)
                 self._saving.add(partition)
 
-    def _save_partition(self, partition: int, changed: dict[str, int | None], output: EventProducer) -> None:
+    def _save_partition(self, partition: int, changed: dict[str, int | None], delivered: int,
+                        output: EventProducer) -> None:
         tasks, quarantined, keys = self._tasks[partition], self._quarantined.get(partition, {}), self._keys[partition]
-        end = max(self._events_end.get(partition, 0), output.delivered_end.get((self.layout.events, partition), 0))
+        end = max(self._events_end.get(partition, 0), delivered)
         for task_id, overlap_from in changed.items():
             state, quarantine = tasks.get(task_id), quarantined.get(task_id)
             if state is None and quarantine is None:

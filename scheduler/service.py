@@ -4,8 +4,10 @@ For each batch from ``inbox`` it decides, appends the events to ``events`` (on t
 partition number, so a task's commands and history always share a partition), sends the agent requests
 and status updates those events call for, and commits the inbox offsets, all in one Kafka transaction.
 Owning an inbox partition in the consumer group is the lock on its tasks; before handling any command of
-a newly assigned partition it restores that partition's tasks by folding ``events``, on a thread of its own
-with the partition paused (the consumer runtime's ``on_assign_paused``), not in the rebalance callback.
+a newly assigned partition it restores that partition's tasks from its changelog (``scheduler-state``,
+written in each batch's transaction, see ``scheduler.changelog``) and the events the changelog does not
+reflect yet (``scheduler.restore``), on a thread of its own with the partition paused (the consumer
+runtime's ``on_assign_paused``), not in the rebalance callback.
 
 An attempt's request carries its start-by and the length of its work deadline; the agent that takes it
 acknowledges on ``inbox`` (``AttemptAccepted``) and the decider records ``StepAccepted``, which starts the
@@ -556,6 +558,7 @@ class Scheduler:
             QUARANTINED.labels(str(partition)).set(len(quarantined))
         log.info("aborted batch recovered", tasks=len(self._batch))
         self._batch.clear()
+        self._saving.clear()  # what the aborted transaction wrote to the changelog is not there: still unsaved
 
 
 def _marked_answer(step: Step, compensation: bool) -> list[str]:

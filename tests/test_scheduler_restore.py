@@ -28,6 +28,8 @@ from tests.workflows import REGISTRY
 FINISHED = int(os.environ.get("STEPSTREAM_RESTORE_FINISHED", "2000"))
 LIVE = int(os.environ.get("STEPSTREAM_RESTORE_LIVE", "10"))
 KILLS = int(os.environ.get("STEPSTREAM_RESTORE_KILLS", "3"))
+PATIENCE_S = 60 + FINISHED / 500
+"""Longer waits for a bigger history: the first start folds it whole, the projector catches up with it."""
 
 
 def finished_orders(count: int) -> Iterator[Event]:
@@ -64,13 +66,14 @@ def assert_restore_agrees_with_a_fresh_fold(system: System) -> None:
 def test_a_restart_reads_one_record_per_task_not_the_history_and_its_live_tasks_complete(system: System) -> None:
     written = publish(system.bootstrap, system.layout.events, finished_orders(FINISHED))
     system.start("scheduler")  # a deployment without a changelog yet: this first restore folds events whole
-    system.procs.wait_started("scheduler", "partition restored", count=system.layout.partitions)
+    system.procs.wait_started("scheduler", "partition restored", count=system.layout.partitions,
+                              timeout_s=PATIENCE_S)
     assert sum(r["events"] for r in restores(system)) == written
     assert sum(r["changelog_records"] for r in restores(system)) == 0
     live = [f"live-{i}" for i in range(LIVE)]
     for task_id in live:
         system.submit(task_id, version=1)
-    assert wait_for(lambda: requests_sent(system, "inventory") >= LIVE, timeout_s=60), system.logs_tail()
+    assert wait_for(lambda: requests_sent(system, "inventory") >= LIVE, timeout_s=PATIENCE_S), system.logs_tail()
 
     system.procs.kill("scheduler")  # SIGKILL, its live tasks waiting on their first step
     system.restart("scheduler")
@@ -85,7 +88,7 @@ def test_a_restart_reads_one_record_per_task_not_the_history_and_its_live_tasks_
     assert from_events <= 4 * LIVE, "only the events past the changelog's checkpoint"
 
     system.start("projector", *AGENTS, "supervisor")
-    statuses = system.wait_terminal(live, timeout_s=180)
+    statuses = system.wait_terminal(live, timeout_s=120 + PATIENCE_S)
     assert set(statuses.values()) == {"completed"}
     assert disagreements(system, statuses, live) == {}
     assert_restore_agrees_with_a_fresh_fold(system)

@@ -27,7 +27,7 @@ from tests.workflows import REGISTRY
 
 FINISHED = int(os.environ.get("STEPSTREAM_RESTORE_FINISHED", "2000"))
 LIVE = int(os.environ.get("STEPSTREAM_RESTORE_LIVE", "10"))
-KILLS = int(os.environ.get("STEPSTREAM_RESTORE_KILLS", "3"))
+KILLS = int(os.environ.get("STEPSTREAM_RESTORE_KILLS", "2"))
 PATIENCE_S = 60 + FINISHED / 100
 """Longer waits for a bigger history: the first start folds it whole, the projector catches up with it."""
 

@@ -24,6 +24,8 @@ class EventProducer:
                 else producer_config(bootstrap, **config))
         self._producer = Producer(conf)
         self._failures: list[KafkaError] = []
+        # Per (topic, partition), one past the highest offset a send was delivered at (``delivered_ends``).
+        self._delivered_end: dict[tuple[str, int], int] = {}
         self.transactional = transactional_id is not None
 
     @property
@@ -56,9 +58,20 @@ class EventProducer:
             failures, self._failures = self._failures, []
             raise InfrastructureError(f"delivery failed: {failures[0]} (+{len(failures) - 1} more)")
 
-    def _delivered(self, err: KafkaError | None, _msg: Any) -> None:
+    def _delivered(self, err: KafkaError | None, msg: Any) -> None:
         if err is not None:
             self._failures.append(err)
+            return
+        where = (msg.topic(), msg.partition())
+        self._delivered_end[where] = max(self._delivered_end.get(where, 0), msg.offset() + 1)
+
+    def delivered_ends(self, topic: str) -> dict[int, int]:
+        """Per partition of ``topic``, one past the highest offset this producer's sends were delivered at, so
+        far as their delivery reports came in: after a transaction committed, where the log stood then (the
+        scheduler's changelog records how far ``events`` is reflected). A commit delivers the sends but leaves
+        their reports queued; they are served here."""
+        self._producer.poll(0)
+        return {partition: end for (name, partition), end in self._delivered_end.items() if name == topic}
 
     # -- transactions -------------------------------------------------------------------------
 

@@ -70,6 +70,11 @@ class TopicLayout:
         return f"{self.prefix}keys"
 
     @property
+    def scheduler_state(self) -> str:
+        """The scheduler's changelog of task state: one record per task after compaction (``scheduler.changelog``)."""
+        return f"{self.prefix}scheduler-state"
+
+    @property
     def supervisor_lease(self) -> str:
         return f"{self.prefix}supervisor-lease"
 
@@ -88,6 +93,7 @@ class TopicLayout:
             TopicSpec(self.dlq, self.partitions, {"retention.ms": FOREVER}),
             TopicSpec(self.supervisor_lease, 1),
             self.keys_spec(),
+            self.scheduler_state_spec(),
         ]
 
     def keys_spec(self, segment_ms: int | None = None) -> TopicSpec:
@@ -99,6 +105,17 @@ class TopicLayout:
             "cleanup.policy": "compact", "segment.ms": window, "max.compaction.lag.ms": window,
             "min.cleanable.dirty.ratio": "0.01", "min.compaction.lag.ms": "0",
             "delete.retention.ms": str(24 * 3600 * 1000)})
+
+    def scheduler_state_spec(self) -> TopicSpec:
+        """Compacted, partitioned like ``inbox``: partition p holds the state of the tasks on ``events`` p.
+
+        A restore reads the whole partition, so what it costs is what compaction left: small segments
+        (64 MiB, or an hour) become cleanable soon, and a tenth of them dirty is enough to clean. The
+        superseded records a restore still meets are skipped undecoded (the last record of a key wins).
+        """
+        return TopicSpec(self.scheduler_state, self.partitions, {
+            "cleanup.policy": "compact", "segment.bytes": str(64 * 1024 * 1024), "segment.ms": str(3600 * 1000),
+            "min.cleanable.dirty.ratio": "0.1", "delete.retention.ms": str(24 * 3600 * 1000)})
 
     # -- consumer groups (each starts with the prefix, so the lag report and one prefixed ACL find them) --
 

@@ -47,13 +47,22 @@ class Quarantine:
 
 
 class PartitionFold:
-    """The tasks of one partition, folded record by record, and the ones that had to be quarantined."""
+    """The tasks of one partition, folded record by record, and the ones that had to be quarantined.
 
-    def __init__(self, codec: Codec, unseal: Callable[[Event], Event]) -> None:
+    It may start from tasks already folded (a restore from the scheduler's changelog, ``scheduler.restore``):
+    ``reflected`` then names, per task, the range of its sequences those already include, and an event in
+    that range is skipped rather than folded twice. ``touched``: the tasks an event changed.
+    """
+
+    def __init__(self, codec: Codec, unseal: Callable[[Event], Event], tasks: dict[str, TaskState] | None = None,
+                 quarantined: dict[str, Quarantine] | None = None,
+                 reflected: dict[str, tuple[int, int]] | None = None) -> None:
         self.codec = codec
         self.unseal = unseal
-        self.tasks: dict[str, TaskState] = {}
-        self.quarantined: dict[str, Quarantine] = {}
+        self.tasks: dict[str, TaskState] = tasks if tasks is not None else {}
+        self.quarantined: dict[str, Quarantine] = quarantined if quarantined is not None else {}
+        self.reflected = reflected or {}
+        self.touched: set[str] = set()
         self.unattributed = 0
 
     def add(self, key: bytes | None, value: bytes | None, where: str) -> None:
@@ -69,6 +78,10 @@ class PartitionFold:
             return
         if not isinstance(message, Event):
             return
+        reflected = self.reflected.get(message.task_id)
+        if reflected is not None and reflected[0] <= message.sequence <= reflected[1]:
+            return
+        self.touched.add(message.task_id)
         stuck = self.quarantined.get(message.task_id)
         if stuck is not None and not stuck.foldable:
             stuck.next_sequence = max(stuck.next_sequence, message.sequence + 1)
@@ -93,6 +106,7 @@ class PartitionFold:
             self.quarantined.pop(message.task_id, None)
 
     def _unreadable(self, task_id: str, reason: str, where: str) -> None:
+        self.touched.add(task_id)
         stuck = self.quarantined.get(task_id)
         if stuck is not None and not stuck.foldable:
             stuck.next_sequence += 1  # an unreadable event still took its place in the task's sequence

@@ -28,9 +28,11 @@ markings once it ran; a new marking belongs in a new version.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from eventstore.keys import new_reference
+from scheduler.decider import StepState, TaskState
 from scheduler.workflow import Step, Workflow, WorkflowNotFoundError, WorkflowRegistry
 from schemas.messages import Event, StepCompensated, StepSucceeded, SubmitTask, TaskCompleted
 from schemas.sealed import Keyring, SealingError, TaskKey, input_place, is_sealed, sealed_with_task_key
@@ -145,6 +147,30 @@ class EventSealer:
         """``unseal`` with each event's task key looked up in ``keys`` (a partition's, while it restores)."""
         return lambda event: self.unseal(event, keys.get(event.task_id))
 
+    def seal_state(self, state: TaskState, key: TaskKey | None) -> TaskState:
+        """``state`` as the scheduler's changelog may hold it: step outputs (clear in memory once a partition
+        was restored) sealed exactly as on ``events``; the input is sealed already."""
+        sealer = key or self.keyring
+        if sealer is None:
+            return state
+        return self._transform_state(state, lambda value, where: value if is_sealed(value) else
+                                     sealer.seal(value, where))
+
+    def open_state(self, state: TaskState, key: TaskKey | None) -> TaskState:
+        """``state`` read from the changelog with its step outputs open again, as a fold of ``events`` has them
+        (an erased task's stay sealed)."""
+        return self._transform_state(state, lambda value, where: self._open(value, where, key))
+
+    def _transform_state(self, state: TaskState, apply: _Transform) -> TaskState:
+        try:
+            workflow = self.registry.get(state.workflow, state.workflow_version)
+        except WorkflowNotFoundError:
+            return state
+        if not workflow.has_sensitive_data:
+            return state
+        return replace(state, steps=tuple(_step_state(workflow.step(step.name), state.task_id, step, apply)
+                                          for step in state.steps))
+
     def seal_outputs(self, workflow: Workflow, task_id: str, outputs: dict[str, Any], key: TaskKey | None
                      ) -> dict[str, Any]:
         """Step outputs by step name (as an agent request carries them), each step's marked fields sealed."""
@@ -197,6 +223,18 @@ def _completed_output(workflow: Workflow, event: TaskCompleted, apply: _Transfor
         value = outputs[step.name]
         outputs[step.name] = _step_output(step, event.task_id, value, apply)
     return outputs
+
+
+def _step_state(step: Step, task_id: str, state: StepState, apply: _Transform) -> StepState:
+    """A step's outputs in a task's state, marked as its ``StepSucceeded`` and ``StepCompensated`` are."""
+    output, undone = state.output, state.compensation.output
+    if isinstance(output, dict):
+        output = _step_output(step, task_id, output, apply)
+    if isinstance(undone, dict) and step.is_sensitive:
+        undone = _fields(undone, sorted(undone), (task_id, step.name, "compensation"), apply)
+    if output is state.output and undone is state.compensation.output:
+        return state
+    return replace(state, output=output, compensation=replace(state.compensation, output=undone))
 
 
 def _step_output(step: Step, task_id: str, output: dict[str, Any], apply: _Transform) -> dict[str, Any]:

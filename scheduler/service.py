@@ -4,8 +4,10 @@ For each batch from ``inbox`` it decides, appends the events to ``events`` (on t
 partition number, so a task's commands and history always share a partition), sends the agent requests
 and status updates those events call for, and commits the inbox offsets, all in one Kafka transaction.
 Owning an inbox partition in the consumer group is the lock on its tasks; before handling any command of
-a newly assigned partition it restores that partition's tasks by folding ``events``, on a thread of its own
-with the partition paused (the consumer runtime's ``on_assign_paused``), not in the rebalance callback.
+a newly assigned partition it restores that partition's tasks from its changelog (``scheduler-state``,
+written in each batch's transaction, see ``scheduler.changelog``) and the events the changelog does not
+reflect yet (``scheduler.restore``), on a thread of its own with the partition paused (the consumer
+runtime's ``on_assign_paused``), not in the rebalance callback.
 
 An attempt's request carries its start-by and the length of its work deadline; the agent that takes it
 acknowledges on ``inbox`` (``AttemptAccepted``) and the decider records ``StepAccepted``, which starts the
@@ -45,11 +47,11 @@ from eventstore.errors import PoisonMessageError
 from eventstore.kafka_config import connection_config
 from eventstore.keys import PROPOSED, Proposals, proposal_record, read_key_records
 from eventstore.producer import EventProducer
-from eventstore.replay import ReplayReader
 from eventstore.runtime import ConsumerRuntime, Record
 from eventstore.settings import ConsumerSettings, KafkaSettings
 from eventstore.topics import TopicLayout, TopicSpec, ensure_topics
 from eventstore.tracing import attempt_span, headers_of, span_for
+from scheduler.changelog import CHECKPOINT_KEY, SavedTask, encode_checkpoint, encode_task
 from scheduler.decider import (
     Limits,
     TaskState,
@@ -60,12 +62,12 @@ from scheduler.decider import (
     pending,
     same_timer,
 )
-from scheduler.quarantine import UNFOLDABLE, PartitionFold, Quarantine
+from scheduler.quarantine import UNFOLDABLE, Quarantine
+from scheduler.restore import restore_partition
 from scheduler.sealing import EventSealer, granted, open_input, seal_input
 from scheduler.timers import TimerQueue
 from scheduler.traces import record_spans
 from scheduler.workflow import Step, WorkflowNotFoundError, WorkflowRegistry
-from schemas.codec import default_codec
 from schemas.messages import (
     AgentRequest,
     AttemptAccepted,
@@ -107,6 +109,9 @@ IN_FLIGHT = Gauge("stepstream_tasks_in_flight", "Non-terminal tasks owned by thi
 HELD = Gauge("stepstream_scheduler_tasks_held",
              "Tasks whose state this scheduler holds in memory, finished ones settled (TaskState.settled)",
              ["partition"])
+RESTORE_RECORDS = Gauge("stepstream_scheduler_restore_records",
+                        "Records the last restore of a partition read, from the changelog and from events",
+                        ["partition", "source"])
 QUARANTINED = Gauge("stepstream_tasks_quarantined", "Tasks set aside because their history does not fold",
                     ["partition"])
 
@@ -153,6 +158,12 @@ class Scheduler:
         # What each task touched by the open transaction was before it (state, quarantine, data key): an aborted batch
         # puts back these tasks only, instead of folding every owned partition again.
         self._batch: dict[tuple[int, str], tuple[TaskState | None, Quarantine | None, TaskKey | None]] = {}
+        # Per partition, the tasks whose state the changelog does not hold yet (a restore folded them from
+        # ``events``), where ``events`` ended when it was restored, and the partitions the open transaction
+        # writes to the changelog (their unsaved tasks are saved once it commits).
+        self._unsaved: dict[int, set[str]] = {}
+        self._events_end: dict[int, int] = {}
+        self._saving: set[int] = set()
         # Records read by the last restore of each partition: what a restore costs (logged, and benchmarked).
         self.restored_records: dict[int, int] = {}
         # Restores run on the runtime's preparing thread: a revocation (on the loop's thread) moves a partition's
@@ -442,42 +453,78 @@ class Scheduler:
     # -- partition ownership ------------------------------------------------------------------
 
     def restore(self, partitions: list[TopicPartition]) -> None:
-        """Fold ``events`` of each newly owned partition before any of its commands is handled.
+        """Restore each newly owned partition from the changelog and the events it does not reflect yet
+        (``scheduler.restore``) before any of its commands is handled.
 
         Runs on the runtime's preparing thread while the partitions are paused (``on_assign_paused``); the
-        loop goes on polling meanwhile. A partition revoked while its fold ran is not installed: its epoch
+        loop goes on polling meanwhile. A partition revoked while it was restored is not installed: its epoch
         moved on (``forget``), and a later assignment restores it afresh.
         """
+        self._ensure_topic(self.layout.scheduler_state_spec())
         for tp in partitions:
             epoch = self._epochs.get(tp.partition, 0)
             keys, stale, proposals = self._restore_keys(tp.partition)
-            fold = PartitionFold(default_codec(), self.sealer.opener(keys))
-            records = 0
-            for partition, offset, key, value in ReplayReader(self.bootstrap, self.layout.events,
-                                                              partitions=[tp.partition]).raw():
-                fold.add(key, value, f"{partition}:{offset}")
-                records += 1
+            restored = restore_partition(self.bootstrap, self.layout, tp.partition, self.sealer, keys)
             with self._ownership:
                 if self._epochs.get(tp.partition, 0) != epoch:
                     log.info("partition revoked while restoring", partition=tp.partition)
                     continue
-                self.restored_records[tp.partition] = records
-                tasks = self._tasks[tp.partition] = fold.tasks
+                self.restored_records[tp.partition] = restored.changelog_records + restored.event_records
+                RESTORE_RECORDS.labels(str(tp.partition), "changelog").set(restored.changelog_records)
+                RESTORE_RECORDS.labels(str(tp.partition), "events").set(restored.event_records)
+                tasks = self._tasks[tp.partition] = restored.tasks
                 self._keys[tp.partition], self._stale[tp.partition] = keys, stale
                 self._proposals[tp.partition] = proposals
+                self._unsaved[tp.partition] = restored.unsaved
+                self._events_end[tp.partition] = restored.events_end
                 for state in tasks.values():
                     self.timers.arm(tp.partition, pending(state), state.task_id)
                 self._quarantined[tp.partition] = {}
-                for quarantine in fold.quarantined.values():
+                for quarantine in restored.quarantined.values():
                     self._quarantine(tp.partition, quarantine, self._recorder)
-                QUARANTINED.labels(str(tp.partition)).set(len(fold.quarantined))
+                QUARANTINED.labels(str(tp.partition)).set(len(restored.quarantined))
                 self._live[tp.partition] = sum(1 for state in tasks.values() if not state.is_terminal)
                 IN_FLIGHT.labels(str(tp.partition)).set(self.in_flight(tp.partition))
                 HELD.labels(str(tp.partition)).set(len(tasks))
             self._recorder.flush()
             log.info("partition restored", partition=tp.partition, tasks=len(tasks),
-                     in_flight=self.in_flight(tp.partition), events=records, quarantined=len(fold.quarantined),
-                     unattributed=fold.unattributed)
+                     in_flight=self.in_flight(tp.partition), changelog_records=restored.changelog_records,
+                     events=restored.event_records, unsaved=len(restored.unsaved),
+                     refolded=len(restored.refolded), quarantined=len(restored.quarantined),
+                     unattributed=restored.unattributed)
+
+    def save_state(self, output: EventProducer) -> None:
+        """Write the state of every task the open transaction changed to the changelog, in that transaction
+        (the runtime's ``on_batch_end``), with the tasks a restore folded from ``events`` and each touched
+        partition's checkpoint: where ``events`` stood when this transaction began, every event below it now
+        reflected by the changelog (``scheduler.changelog``)."""
+        delivered = output.delivered_ends(self.layout.events)
+        with self._ownership:
+            touched: dict[int, dict[str, int | None]] = {}
+            for (partition, task_id), (before, _quarantine, _key) in self._batch.items():
+                touched.setdefault(partition, {})[task_id] = before.sequence + 1 if before is not None else 1
+            for partition, unsaved in self._unsaved.items():
+                for task_id in unsaved:
+                    touched.setdefault(partition, {}).setdefault(task_id, None)
+            for partition, changed in touched.items():
+                if partition not in self._tasks:
+                    continue  # not (or no longer) owned: its next owner restores it
+                self._save_partition(partition, changed, delivered.get(partition, 0), output)
+                self._saving.add(partition)
+
+    def _save_partition(self, partition: int, changed: dict[str, int | None], delivered: int,
+                        output: EventProducer) -> None:
+        tasks, quarantined, keys = self._tasks[partition], self._quarantined.get(partition, {}), self._keys[partition]
+        end = max(self._events_end.get(partition, 0), delivered)
+        for task_id, overlap_from in changed.items():
+            state, quarantine = tasks.get(task_id), quarantined.get(task_id)
+            if state is None and quarantine is None:
+                continue
+            sealed = None if state is None else self.sealer.seal_state(state, keys.get(task_id))
+            last = state.sequence if state is not None else (quarantine.next_sequence - 1 if quarantine else 0)
+            output.send_raw(self.layout.scheduler_state, task_id,
+                            encode_task(SavedTask(sealed, quarantine, overlap_from or last + 1)), partition=partition)
+        output.send_raw(self.layout.scheduler_state, CHECKPOINT_KEY, encode_checkpoint(end), partition=partition)
 
     def _restore_keys(self, partition: int) -> tuple[dict[str, TaskKey], list[str], Proposals]:
         """The data keys of a partition's tasks, unwrapped (an erased task has none: its values stay sealed),
@@ -506,16 +553,23 @@ class Scheduler:
                 self._proposals.pop(tp.partition, None)
                 self._live.pop(tp.partition, None)
                 self._quarantined.pop(tp.partition, None)
+                self._unsaved.pop(tp.partition, None)
+                self._events_end.pop(tp.partition, None)
                 for key in [key for key in self._batch if key[0] == tp.partition]:
                     del self._batch[key]  # a restore of the partition, not the batch, is its truth from now on
 
     def committed(self) -> None:
-        """The open transaction committed: the states of its tasks are the log's now, its proposals taken."""
+        """The open transaction committed: the states of its tasks are the log's and the changelog's now, its
+        proposals taken."""
         self._batch.clear()
         for partition, record in self._taken:
             if partition in self._proposals:
                 self._proposals[partition].taken(record)
         self._taken.clear()
+        with self._ownership:
+            for partition in self._saving:
+                self._unsaved.get(partition, set()).clear()
+        self._saving.clear()
 
     def recover_batch(self) -> None:
         """After an aborted transaction the tasks it touched ran ahead of the log: put them back as they were
@@ -543,6 +597,7 @@ class Scheduler:
         log.info("aborted batch recovered", tasks=len(self._batch))
         self._batch.clear()
         self._taken.clear()  # still pending: the batch's submissions come again
+        self._saving.clear()  # what the aborted transaction wrote to the changelog is not there: still unsaved
 
 
 def _marked_answer(step: Step, compensation: bool) -> list[str]:
@@ -566,7 +621,7 @@ def build_scheduler(kafka: KafkaSettings, consumer: ConsumerSettings, registry: 
     # A stable instance name lets a restarted scheduler fence its own zombie at once.
     transactional_id = f"{layout.prefix}scheduler-{instance or uuid.uuid4().hex}"
 
-    return ConsumerRuntime(
+    runtime = ConsumerRuntime(
         bootstrap=bootstrap,
         group_id=layout.scheduler_group,
         topics=[layout.inbox],
@@ -578,5 +633,7 @@ def build_scheduler(kafka: KafkaSettings, consumer: ConsumerSettings, registry: 
         on_revoke=scheduler.forget,
         on_abort=scheduler.recover_batch,
         on_commit=scheduler.committed,
+        on_batch_end=lambda: scheduler.save_state(runtime.output),
         stop_event=stop_event,
     )
+    return runtime

@@ -96,7 +96,9 @@ def test_handler_whose_database_is_down_is_retried_not_dead_lettered(
             if not (db_dir / "state.db").exists():
                 return False
             with sqlite3.connect(db_dir / "state.db") as conn:
-                return bool(conn.execute("select count(*) from seen").fetchone()[0] >= 1)
+                # The handler may have made the file but not yet its table: not written yet, ask again.
+                exists = conn.execute("select 1 from sqlite_master where name = 'seen'").fetchone()
+                return exists is not None and bool(conn.execute("select count(*) from seen").fetchone()[0] >= 1)
 
         assert wait_for(row_written)
     assert read_all(bootstrap, layout.dlq, expect=1, timeout_s=3) == []

@@ -25,7 +25,7 @@ from tests.kafka_helpers import wait_for
 from tests.system import AGENTS, System
 from tests.workflows import REGISTRY
 
-FINISHED = int(os.environ.get("STEPSTREAM_RESTORE_FINISHED", "2000"))
+FINISHED = int(os.environ.get("STEPSTREAM_RESTORE_FINISHED", "1000"))
 LIVE = int(os.environ.get("STEPSTREAM_RESTORE_LIVE", "10"))
 KILLS = int(os.environ.get("STEPSTREAM_RESTORE_KILLS", "2"))
 PATIENCE_S = 60 + FINISHED / 100

@@ -10,6 +10,7 @@ each task that does.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -27,7 +28,7 @@ __all__ = ["saga"]
 
 pytestmark = pytest.mark.kafka
 
-TASKS = 240
+TASKS = int(os.environ.get("STEPSTREAM_CHAOS_TASKS", "160"))  # 240 and more for a soak run
 
 
 def kill_and_restart(system: System, *names: str) -> None:

@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 PROMTOOL := $(HOME)/.cache/stepstream/bin/promtool
 PROMETHEUS_VERSION := v0.316.0
 
-.PHONY: install jars demo test lint broker-stop clean
+.PHONY: install jars demo test soak lint broker-stop clean
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "stepstream needs Python 3.11+")'
@@ -31,6 +31,10 @@ $(PROMTOOL):
 
 test: jars $(PROMTOOL)
 	$(PY) -m pytest
+
+# The soak run kept out of `make test`'s 15 minutes: two of every service on three brokers, one SIGKILLed.
+soak: jars
+	STEPSTREAM_SOAK_TASKS=$${STEPSTREAM_SOAK_TASKS:-40} $(PY) -m pytest -n 0 tests/test_many_instances.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

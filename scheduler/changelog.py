@@ -30,6 +30,8 @@ from pydantic import TypeAdapter, ValidationError
 from eventstore.replay import LogRange
 from scheduler.decider import TaskState
 from scheduler.quarantine import Quarantine
+from scheduler.settled import PartitionTasks
+from schemas.states import FINAL
 
 CHECKPOINT_KEY = b""
 VERSION: Literal[1] = 1
@@ -60,6 +62,7 @@ class _Checkpoint:
 
 
 _TASK = TypeAdapter(_TaskRecord)
+_FINAL_VALUES = frozenset(status.value for status in FINAL)
 _CHECKPOINT = TypeAdapter(_Checkpoint)
 
 
@@ -100,16 +103,19 @@ def _version(value: bytes) -> object:
 
 @dataclass
 class PartitionLog:
-    """One partition of the changelog as a restore reads it: the last record of each task, decoded (or why
-    it cannot be), and the checkpoint (None: no scheduler with a changelog has written the partition)."""
+    """One partition of the changelog as a restore reads it: the last record of each task not finished,
+    decoded (or why it cannot be), and the checkpoint (None: no scheduler with a changelog has written the
+    partition). The finished tasks' records went to the partition's spill (``scheduler.settled``)."""
 
     tasks: dict[str, SavedTask | UnreadableRecord]
     checkpoint: int | None
     read: int
 
 
-def read_partition(bootstrap: str, topic: str, partition: int) -> PartitionLog:
-    """Every record of the partition, the last of each key winning (a tombstone removes the task)."""
+def read_partition(bootstrap: str, topic: str, partition: int, settled: PartitionTasks) -> PartitionLog:
+    """Every record of the partition, the last of each key winning (a tombstone removes the task). A finished
+    task's record is spilled to ``settled`` as it is, not validated: most of a long history's tasks are
+    finished, and a command may never come for them."""
     tasks: dict[str, SavedTask | UnreadableRecord] = {}
     checkpoint: int | None = None
     read = 0
@@ -123,11 +129,32 @@ def read_partition(bootstrap: str, topic: str, partition: int) -> PartitionLog:
                 checkpoint = None  # nothing says how far the records reach: the restore folds ``events`` whole
         elif key is not None:
             task_id = key.decode()
+            tasks.pop(task_id, None)
             if value is None:
-                tasks.pop(task_id, None)
-                continue
-            try:
-                tasks[task_id] = decode_task(value)
-            except UnreadableRecord as exc:
-                tasks[task_id] = exc
+                settled.unspill(task_id)
+            elif (finished := _settled_state(value)) is not None:
+                settled.spill_record(task_id, *finished)
+            else:
+                settled.unspill(task_id)
+                try:
+                    tasks[task_id] = decode_task(value)
+                except UnreadableRecord as exc:
+                    tasks[task_id] = exc
     return PartitionLog(tasks, checkpoint, read)
+
+
+def _settled_state(value: bytes) -> tuple[bytes, int, int] | None:
+    """A record of a finished task that is not quarantined, as ``PartitionTasks.spill_record`` takes it (its
+    state encoded, the range of sequences it reflects), read with no more than a JSON parse; None for any
+    other record, which is decoded whole."""
+    try:
+        document = orjson.loads(value)
+        if document["v"] != VERSION:
+            return None
+        task = document["task"]
+        state = task["state"]
+        if task["quarantine"] is not None or state is None or state["status"] not in _FINAL_VALUES:
+            return None
+        return orjson.dumps(state), int(task["overlap_from"]), int(state["sequence"])
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+        return None

@@ -15,7 +15,7 @@ without a ``TaskReleased`` after it), and releases it on the operator's ``releas
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 
 from scheduler.decider import TaskState, evolve
@@ -50,18 +50,18 @@ class PartitionFold:
     """The tasks of one partition, folded record by record, and the ones that had to be quarantined.
 
     It may start from tasks already folded (a restore from the scheduler's changelog, ``scheduler.restore``):
-    ``reflected`` then names, per task, the range of its sequences those already include, and an event in
+    ``reflected`` then gives, per task, the range of its sequences those already include, and an event in
     that range is skipped rather than folded twice. ``touched``: the tasks an event changed.
     """
 
-    def __init__(self, codec: Codec, unseal: Callable[[Event], Event], tasks: dict[str, TaskState] | None = None,
-                 quarantined: dict[str, Quarantine] | None = None,
-                 reflected: dict[str, tuple[int, int]] | None = None) -> None:
+    def __init__(self, codec: Codec, unseal: Callable[[Event], Event],
+                 tasks: MutableMapping[str, TaskState] | None = None, quarantined: dict[str, Quarantine] | None = None,
+                 reflected: Callable[[str], tuple[int, int] | None] | None = None) -> None:
         self.codec = codec
         self.unseal = unseal
-        self.tasks: dict[str, TaskState] = tasks if tasks is not None else {}
+        self.tasks: MutableMapping[str, TaskState] = tasks if tasks is not None else {}
         self.quarantined: dict[str, Quarantine] = quarantined if quarantined is not None else {}
-        self.reflected = reflected or {}
+        self.reflected = reflected or (lambda _task_id: None)
         self.touched: set[str] = set()
         self.unattributed = 0
 
@@ -78,7 +78,7 @@ class PartitionFold:
             return
         if not isinstance(message, Event):
             return
-        reflected = self.reflected.get(message.task_id)
+        reflected = self.reflected(message.task_id)
         if reflected is not None and reflected[0] <= message.sequence <= reflected[1]:
             return
         self.touched.add(message.task_id)

@@ -23,9 +23,9 @@ import structlog
 from eventstore.replay import ReplayReader
 from eventstore.topics import TopicLayout
 from scheduler.changelog import UnreadableRecord, read_partition
-from scheduler.decider import TaskState
 from scheduler.quarantine import PartitionFold, Quarantine
 from scheduler.sealing import EventSealer
+from scheduler.settled import PartitionTasks
 from schemas.codec import default_codec
 from schemas.sealed import TaskKey
 
@@ -34,10 +34,11 @@ log = structlog.get_logger("stepstream.scheduler")
 
 @dataclass
 class Restored:
-    """A partition's tasks as restored, and what it cost. ``unsaved``: tasks whose state the changelog does
-    not hold yet (folded from ``events`` here); ``events_end``: how far ``events`` was read."""
+    """A partition's tasks as restored (the finished ones spilled), and what it cost. ``unsaved``: tasks whose
+    state the changelog does not hold yet (folded from ``events`` here); ``events_end``: how far ``events`` was
+    read."""
 
-    tasks: dict[str, TaskState]
+    tasks: PartitionTasks
     quarantined: dict[str, Quarantine]
     unsaved: set[str]
     events_end: int
@@ -49,9 +50,12 @@ class Restored:
 
 def restore_partition(bootstrap: str, layout: TopicLayout, partition: int, sealer: EventSealer,
                       keys: Mapping[str, TaskKey]) -> Restored:
-    changelog = read_partition(bootstrap, layout.scheduler_state, partition)
+    tasks = PartitionTasks()
+    changelog = read_partition(bootstrap, layout.scheduler_state, partition, tasks)
     checkpoint = changelog.checkpoint
-    tasks: dict[str, TaskState] = {}
+    if checkpoint is None:
+        tasks.close()  # the records reach no known point of ``events``: they are not used
+        tasks = PartitionTasks()
     quarantined: dict[str, Quarantine] = {}
     reflected: dict[str, tuple[int, int]] = {}
     refold: set[str] = set()
@@ -69,7 +73,11 @@ def restore_partition(bootstrap: str, layout: TopicLayout, partition: int, seale
         if saved.quarantine is not None:
             quarantined[task_id] = saved.quarantine
         reflected[task_id] = (saved.overlap_from, saved.state.sequence)
-    fold = PartitionFold(default_codec(), sealer.opener(keys), tasks, quarantined, reflected)
+
+    def reflected_range(task_id: str) -> tuple[int, int] | None:
+        return reflected.get(task_id) or tasks.reflected(task_id)
+
+    fold = PartitionFold(default_codec(), sealer.opener(keys), tasks, quarantined, reflected_range)
     start = 0 if checkpoint is None or refold else checkpoint
     skip_below = checkpoint or 0
     refold_keys = {task_id.encode() for task_id in refold}
@@ -80,6 +88,6 @@ def restore_partition(bootstrap: str, layout: TopicLayout, partition: int, seale
         if offset < skip_below and key not in refold_keys:
             continue  # reflected by the changelog
         fold.add(key, value, f"{partition}:{offset}")
-    unsaved = set(fold.tasks) | set(fold.quarantined) if checkpoint is None else fold.touched | refold
-    return Restored(fold.tasks, fold.quarantined, unsaved, reader.stats.end_offsets[partition], changelog.read,
+    unsaved = set(tasks) | set(fold.quarantined) if checkpoint is None else fold.touched | refold
+    return Restored(tasks, fold.quarantined, unsaved, reader.stats.end_offsets[partition], changelog.read,
                     read, refold, fold.unattributed)

@@ -65,6 +65,7 @@ from scheduler.decider import (
 from scheduler.quarantine import UNFOLDABLE, Quarantine
 from scheduler.restore import restore_partition
 from scheduler.sealing import EventSealer, granted, open_input, seal_input
+from scheduler.settled import PartitionTasks, UnreadableSettledState
 from scheduler.timers import TimerQueue
 from scheduler.traces import record_spans
 from scheduler.workflow import Step, WorkflowNotFoundError, WorkflowRegistry
@@ -107,8 +108,10 @@ rewrap a busy partition's keys in minutes, little enough not to be felt in a bat
 
 IN_FLIGHT = Gauge("stepstream_tasks_in_flight", "Non-terminal tasks owned by this scheduler", ["partition"])
 HELD = Gauge("stepstream_scheduler_tasks_held",
-             "Tasks whose state this scheduler holds in memory, finished ones settled (TaskState.settled)",
-             ["partition"])
+             "Tasks whose state this scheduler holds in memory: the unfinished ones", ["partition"])
+SPILLED = Gauge("stepstream_scheduler_tasks_spilled",
+                "Finished tasks whose settled state this scheduler keeps on local disk (scheduler.settled)",
+                ["partition"])
 RESTORE_RECORDS = Gauge("stepstream_scheduler_restore_records",
                         "Records the last restore of a partition read, from the changelog and from events",
                         ["partition", "source"])
@@ -141,7 +144,8 @@ class Scheduler:
         self.limits = limits
         # Checked before anything runs: sensitive workflows without a key never start.
         self.sealer = EventSealer(registry, keyring)
-        self._tasks: dict[int, dict[str, TaskState]] = {}
+        # Per owned partition, its tasks: the live ones in memory, the finished ones spilled (``scheduler.settled``).
+        self._tasks: dict[int, PartitionTasks] = {}
         self._keys: dict[int, dict[str, TaskKey]] = {}  # the data keys of the owned tasks that have one
         self._stale: dict[int, list[str]] = {}  # per partition, tasks whose key an older master key wraps
         self._proposals: dict[int, Proposals] = {}  # per partition, the data keys submitters proposed
@@ -180,9 +184,12 @@ class Scheduler:
         command = record.message
         if not isinstance(command, (SubmitTask, StepResult, RecoverStep, OperatorCommand, AttemptAccepted, RetryDue)):
             raise PoisonMessageError(f"{type(command).__name__} is not a command the scheduler takes")
-        tasks = self._tasks.setdefault(record.partition, {})
+        tasks = self._partition_tasks(record.partition)
         keys = self._keys.setdefault(record.partition, {})
-        state = tasks.get(command.task_id)
+        try:
+            state = tasks.get(command.task_id)
+        except UnreadableSettledState as exc:
+            raise PoisonMessageError(str(exc)) from None
         quarantine = self._quarantined.get(record.partition, {}).get(command.task_id)
         self._batch.setdefault((record.partition, command.task_id), (state, quarantine, keys.get(command.task_id)))
         if quarantine is not None:
@@ -226,13 +233,19 @@ class Scheduler:
             tasks[command.task_id] = state.settled() if state.status in FINAL else state
             self.timers.arm(record.partition, pending(state), state.task_id)
             self._count_live(record.partition, (not state.is_terminal) - was_live)
-            HELD.labels(str(record.partition)).set(len(tasks))
+            self._count_held(record.partition, tasks)
         if decision.dead_letter is not None:
             # The alert event (if any) is already in this transaction; the command itself is dead-lettered.
             raise PoisonMessageError(decision.dead_letter)
 
     def in_flight(self, partition: int) -> int:
         return self._live.get(partition, 0)
+
+    def _partition_tasks(self, partition: int) -> PartitionTasks:
+        tasks = self._tasks.get(partition)
+        if tasks is None:
+            tasks = self._tasks[partition] = PartitionTasks()
+        return tasks
 
     # -- timers -------------------------------------------------------------------------------
 
@@ -241,12 +254,19 @@ class Scheduler:
         self._firings.send(self.layout.inbox, due, partition=partition)
 
     def _timer_is_current(self, partition: int, due: RetryDue) -> bool:
-        state = self._tasks.get(partition, {}).get(due.task_id)
+        # On the timers' thread: only what is in memory is read (a finished task has no timer).
+        tasks = self._tasks.get(partition)
+        state = tasks.held(due.task_id) if tasks is not None else None
         current = pending(state) if state is not None else None
         return current is not None and same_timer(current, due)
     def _count_live(self, partition: int, change: int) -> None:
         live = self._live[partition] = self._live.get(partition, 0) + change
         IN_FLIGHT.labels(str(partition)).set(live)
+
+    @staticmethod
+    def _count_held(partition: int, tasks: PartitionTasks) -> None:
+        HELD.labels(str(partition)).set(tasks.in_memory)
+        SPILLED.labels(str(partition)).set(tasks.spilled)
 
     # -- quarantine -----------------------------------------------------------------------------
 
@@ -272,8 +292,8 @@ class Scheduler:
     def _quarantine(self, partition: int, quarantine: Quarantine, output: EventProducer) -> None:
         """Set a task aside, and say why on the log (an alert, then the quarantine) unless it already does.
         The state of a task this version cannot fold leaves memory; one it folds stays, for its release."""
-        if not quarantine.foldable:
-            self._tasks.get(partition, {}).pop(quarantine.task_id, None)
+        if not quarantine.foldable and partition in self._tasks:
+            self._tasks[partition].pop(quarantine.task_id, None)
         owned = self._quarantined.setdefault(partition, {})
         owned[quarantine.task_id] = quarantine
         QUARANTINED.labels(str(partition)).set(len(owned))
@@ -477,17 +497,17 @@ class Scheduler:
                 self._proposals[tp.partition] = proposals
                 self._unsaved[tp.partition] = restored.unsaved
                 self._events_end[tp.partition] = restored.events_end
-                for state in tasks.values():
+                for state in tasks.live():
                     self.timers.arm(tp.partition, pending(state), state.task_id)
                 self._quarantined[tp.partition] = {}
                 for quarantine in restored.quarantined.values():
                     self._quarantine(tp.partition, quarantine, self._recorder)
                 QUARANTINED.labels(str(tp.partition)).set(len(restored.quarantined))
-                self._live[tp.partition] = sum(1 for state in tasks.values() if not state.is_terminal)
+                self._live[tp.partition] = sum(1 for state in tasks.live() if not state.is_terminal)
                 IN_FLIGHT.labels(str(tp.partition)).set(self.in_flight(tp.partition))
-                HELD.labels(str(tp.partition)).set(len(tasks))
+                self._count_held(tp.partition, tasks)
             self._recorder.flush()
-            log.info("partition restored", partition=tp.partition, tasks=len(tasks),
+            log.info("partition restored", partition=tp.partition, tasks=len(tasks), spilled=tasks.spilled,
                      in_flight=self.in_flight(tp.partition), changelog_records=restored.changelog_records,
                      events=restored.event_records, unsaved=len(restored.unsaved),
                      refolded=len(restored.refolded), quarantined=len(restored.quarantined),
@@ -547,7 +567,10 @@ class Scheduler:
         with self._ownership:
             for tp in partitions:
                 self._epochs[tp.partition] = self._epochs.get(tp.partition, 0) + 1
-                self.timers.forget(set(self._tasks.pop(tp.partition, {})))
+                tasks = self._tasks.pop(tp.partition, None)
+                if tasks is not None:
+                    self.timers.forget({state.task_id for state in tasks.live()})
+                    tasks.close()
                 self._keys.pop(tp.partition, None)
                 self._stale.pop(tp.partition, None)
                 self._proposals.pop(tp.partition, None)
@@ -562,6 +585,8 @@ class Scheduler:
         """The open transaction committed: the states of its tasks are the log's and the changelog's now, its
         proposals taken."""
         self._batch.clear()
+        for tasks in self._tasks.values():
+            tasks.forget_fresh()
         for partition, record in self._taken:
             if partition in self._proposals:
                 self._proposals[partition].taken(record)
@@ -588,7 +613,7 @@ class Scheduler:
             self.timers.arm(partition, pending(state) if state is not None else None, task_id)
             self._count_live(partition, (state is not None and not state.is_terminal)
                              - (ahead is not None and not ahead.is_terminal))
-            HELD.labels(str(partition)).set(len(tasks))
+            self._count_held(partition, tasks)
             quarantined = self._quarantined.setdefault(partition, {})
             quarantined.pop(task_id, None)
             if quarantine is not None:
@@ -596,6 +621,8 @@ class Scheduler:
             QUARANTINED.labels(str(partition)).set(len(quarantined))
         log.info("aborted batch recovered", tasks=len(self._batch))
         self._batch.clear()
+        for tasks in self._tasks.values():
+            tasks.forget_fresh()
         self._taken.clear()  # still pending: the batch's submissions come again
         self._saving.clear()  # what the aborted transaction wrote to the changelog is not there: still unsaved
 

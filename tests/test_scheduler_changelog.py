@@ -113,7 +113,7 @@ def tail_fold(tasks: list[list[Event]], cut: int) -> PartitionFold:
         saved[state.task_id] = state.settled() if state.status in FINAL else state
         reflected[state.task_id] = (head[-1].sequence, state.sequence)
         tail += events[cut - 1:]
-    partition = PartitionFold(codec, lambda event: event, saved, {}, reflected)
+    partition = PartitionFold(codec, lambda event: event, saved, {}, reflected.get)
     for offset, event in enumerate(tail):
         partition.add(event.task_id.encode(), codec.encode(event), f"0:{offset}")
     return partition
@@ -136,7 +136,7 @@ def test_an_event_a_record_already_reflects_is_not_folded_twice_but_a_foreign_du
     state = fold(events)
     assert state is not None
     task = state.task_id
-    partition = PartitionFold(codec, lambda event: event, {task: state}, {}, {task: (len(events), state.sequence)})
+    partition = PartitionFold(codec, lambda event: event, {task: state}, {}, {task: (len(events), state.sequence)}.get)
     partition.add(task.encode(), codec.encode(events[-1]), "0:0")
     assert partition.tasks[task] == state and task not in partition.touched
 

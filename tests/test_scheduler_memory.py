@@ -17,11 +17,13 @@ import pytest
 from prometheus_client import REGISTRY as REGISTRY_METRICS
 
 from demo.workflows import REGISTRY
+from eventstore.errors import PoisonMessageError
 from eventstore.runtime import Record
 from eventstore.topics import TopicLayout
 from projections.store import SqliteStore
 from scheduler.decider import Command, Limits, TaskState, decide, fold
 from scheduler.service import Scheduler
+from scheduler.settled import PartitionTasks, UnreadableSettledState
 from schemas.messages import (
     AttemptAccepted,
     Message,
@@ -31,6 +33,7 @@ from schemas.messages import (
     StepStarted,
     SubmitTask,
     TaskAccepted,
+    TaskCompleted,
 )
 from schemas.sealed import Keyring
 from schemas.states import FINAL
@@ -153,6 +156,85 @@ def test_an_aborted_batch_puts_back_only_its_own_tasks_as_they_were_when_it_bega
     assert made._tasks[1] == {} and (made.in_flight(0), made.in_flight(1)) == (1, 0)
     again = handle(made, submit("dropped"))
     assert any(isinstance(m, TaskAccepted) for _t, m in again.sent), "the aborted submission is decided again"
+
+
+# ---- finished tasks leave memory -----------------------------------------------------------------------------
+
+
+def run_to_the_end(made: Scheduler, task_id: str, partition: int = 0) -> list[Message]:
+    """Submit a task and answer each of its attempts with success, as its agents would; what was sent."""
+    sent = [m for _t, m in handle(made, submit(task_id), partition).sent]
+    while (started := next((m for m in sent[::-1] if isinstance(m, StepStarted)), None)) is not None:
+        answer = StepResult(task_id=task_id, step=started.step, attempt_id=started.attempt_id, ok=True,
+                            output={"ref": f"{started.step}-{task_id}"})
+        sent = [m for _t, m in handle(made, answer, partition).sent]
+        if any(isinstance(m, TaskCompleted) for m in sent):
+            return sent
+    raise AssertionError(f"task {task_id} did not complete: {sent}")
+
+
+def test_finished_tasks_leave_memory_for_the_spill_and_only_live_ones_stay() -> None:
+    made = scheduler()
+    for n in range(30):
+        run_to_the_end(made, f"done-{n}")
+        made.committed()
+    handle(made, submit("live"))
+    made.committed()
+    tasks = made._tasks[0]
+    assert (tasks.in_memory, tasks.spilled, len(tasks)) == (1, 30, 31)
+    assert REGISTRY_METRICS.get_sample_value("stepstream_scheduler_tasks_held", {"partition": "0"}) == 1
+    assert REGISTRY_METRICS.get_sample_value("stepstream_scheduler_tasks_spilled", {"partition": "0"}) == 30
+    done = tasks["done-7"]
+    assert done.status == "completed" and done == done.settled(), "read back from the spill, settled"
+    assert made.in_flight(0) == 1
+
+
+def test_a_repeated_and_a_contradictory_submission_of_a_spilled_task_are_told_apart() -> None:
+    made = scheduler()
+    run_to_the_end(made, "spilled")
+    made.committed()
+    assert made._tasks[0].held("spilled") is None, "not in memory any more"
+
+    assert handle(made, submit("spilled")).sent == [], "a repeat changes nothing"
+    with pytest.raises(PoisonMessageError, match="contradictory duplicate submission"):
+        handle(made, SubmitTask(task_id="spilled", workflow="orders", workflow_version=2,
+                                input={"order_id": "spilled", "sku": "B-2", "qty": 9, "amount": 90}))
+    assert made._tasks[0]["spilled"].status == "completed"
+
+
+def test_a_task_finished_by_an_aborted_batch_is_put_back_live_and_out_of_the_spill() -> None:
+    made = scheduler()
+    sent = [m for _t, m in handle(made, submit("undone")).sent]
+    made.committed()
+    before = made._tasks[0]["undone"]
+    for _ in range(3):  # the orders workflow's steps, answered in one batch that then aborts
+        started = next(m for m in sent[::-1] if isinstance(m, StepStarted))
+        sent = [m for _t, m in handle(made, StepResult(task_id="undone", step=started.step,
+                                                       attempt_id=started.attempt_id, ok=True)).sent]
+    assert any(isinstance(m, TaskCompleted) for m in sent) and made._tasks[0].spilled == 1
+
+    made.recover_batch()
+    tasks = made._tasks[0]
+    assert (tasks.in_memory, tasks.spilled) == (1, 0)
+    assert tasks["undone"] == before and made.in_flight(0) == 1
+
+
+def test_the_spill_is_a_mapping_that_keeps_only_finished_tasks_out_of_memory() -> None:
+    made = scheduler()
+    finished = run_to_the_end(made, "t")
+    state = made._tasks[0]["t"]
+    tasks = PartitionTasks()
+    with closing(tasks):
+        tasks["t"] = state
+        tasks.forget_fresh()
+        assert tasks["t"] == state and "t" in tasks and list(tasks) == ["t"] and tasks.held("t") is None
+        tasks.spill_record("r", b'{"not": "a state"}', 3, 5)
+        assert tasks.reflected("r") == (3, 5) and len(tasks) == 2
+        with pytest.raises(UnreadableSettledState, match="task r"):
+            tasks["r"]
+        del tasks["r"]
+        assert "r" not in tasks and tasks.get("r") is None and tasks.spilled == 1
+        assert isinstance(finished[-1], TaskCompleted)
 
 
 # ---- the whole system ------------------------------------------------------------------------------------

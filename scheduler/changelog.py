@@ -115,7 +115,7 @@ class PartitionLog:
 def read_partition(bootstrap: str, topic: str, partition: int, settled: PartitionTasks) -> PartitionLog:
     """Every record of the partition, the last of each key winning (a tombstone removes the task). A finished
     task's record is spilled to ``settled`` as it is, not validated: most of a long history's tasks are
-    finished, and a command may never come for them."""
+    finished, and a command may never come for them (the caller ends the spill with ``settled.loaded``)."""
     tasks: dict[str, SavedTask | UnreadableRecord] = {}
     checkpoint: int | None = None
     read = 0

@@ -63,7 +63,7 @@ from scheduler.decider import (
     same_timer,
 )
 from scheduler.quarantine import UNFOLDABLE, Quarantine
-from scheduler.restore import restore_partition
+from scheduler.restore import restore_partition, return_freed_memory
 from scheduler.sealing import EventSealer, granted, open_input, seal_input
 from scheduler.settled import PartitionTasks, UnreadableSettledState
 from scheduler.timers import TimerQueue
@@ -512,6 +512,7 @@ class Scheduler:
                      events=restored.event_records, unsaved=len(restored.unsaved),
                      refolded=len(restored.refolded), quarantined=len(restored.quarantined),
                      unattributed=restored.unattributed)
+        return_freed_memory()
 
     def save_state(self, output: EventProducer) -> None:
         """Write the state of every task the open transaction changed to the changelog, in that transaction

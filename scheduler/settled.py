@@ -53,11 +53,13 @@ class PartitionTasks(MutableMapping[str, TaskState]):
         self._live: dict[str, TaskState] = {}
         self._fresh: dict[str, TaskState] = {}
         self._spilled = 0
-        self._db = sqlite3.connect("", check_same_thread=False, isolation_level=None)
+        # Writes go in a transaction the end of each batch (``forget_fresh``) or restore (``loaded``) commits:
+        # one per statement would cost several times the statement.
+        self._db = sqlite3.connect("", check_same_thread=False)
         self._db.executescript(f"""
             PRAGMA journal_mode=OFF; PRAGMA synchronous=OFF; PRAGMA cache_size=-{CACHE_KIB};
             CREATE TABLE settled (task_id TEXT PRIMARY KEY, state BLOB NOT NULL,
-                                  overlap_from INTEGER NOT NULL, sequence INTEGER NOT NULL) WITHOUT ROWID;
+                                  overlap_from INTEGER NOT NULL, sequence INTEGER NOT NULL);
         """)
 
     # -- the mapping --------------------------------------------------------------------------
@@ -126,10 +128,14 @@ class PartitionTasks(MutableMapping[str, TaskState]):
 
     def spill_record(self, task_id: str, state_json: bytes, overlap_from: int, sequence: int) -> None:
         """A settled state as a restore read it from the changelog, still encoded: it is validated only when a
-        command for the task needs it. ``overlap_from``..``sequence``: the task's events the record reflects."""
-        if self._live.pop(task_id, None) is None and not self._on_disk(task_id):
-            self._spilled += 1
+        command for the task needs it. ``overlap_from``..``sequence``: the task's events the record reflects.
+        ``loaded`` ends a restore's records."""
         self._spill(task_id, state_json, overlap_from, sequence)
+
+    def loaded(self) -> None:
+        """A restore spilled what it read: commit it, and count it."""
+        self._db.commit()
+        self._spilled = self._db.execute("SELECT count(*) FROM settled").fetchone()[0]
 
     def reflected(self, task_id: str) -> tuple[int, int] | None:
         """The range of a spilled task's sequences its record on the changelog reflects (``spill_record``); an
@@ -140,6 +146,7 @@ class PartitionTasks(MutableMapping[str, TaskState]):
     def forget_fresh(self) -> None:
         """The open transaction ended: states it spilled are read from the spill from now on."""
         self._fresh.clear()
+        self._db.commit()
 
     def close(self) -> None:
         self._live.clear()

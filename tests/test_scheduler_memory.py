@@ -229,6 +229,7 @@ def test_the_spill_is_a_mapping_that_keeps_only_finished_tasks_out_of_memory() -
         tasks.forget_fresh()
         assert tasks["t"] == state and "t" in tasks and list(tasks) == ["t"] and tasks.held("t") is None
         tasks.spill_record("r", b'{"not": "a state"}', 3, 5)
+        tasks.loaded()
         assert tasks.reflected("r") == (3, 5) and len(tasks) == 2
         with pytest.raises(UnreadableSettledState, match="task r"):
             tasks["r"]

@@ -31,7 +31,7 @@ from eventstore.replay import LogRange
 from scheduler.decider import TaskState
 from scheduler.quarantine import Quarantine
 from scheduler.settled import PartitionTasks
-from schemas.states import FINAL
+from schemas.states import TERMINAL
 
 CHECKPOINT_KEY = b""
 VERSION: Literal[1] = 1
@@ -62,7 +62,7 @@ class _Checkpoint:
 
 
 _TASK = TypeAdapter(_TaskRecord)
-_FINAL_VALUES = frozenset(status.value for status in FINAL)
+_TERMINAL_VALUES = frozenset(status.value for status in TERMINAL)
 _CHECKPOINT = TypeAdapter(_Checkpoint)
 
 
@@ -103,9 +103,9 @@ def _version(value: bytes) -> object:
 
 @dataclass
 class PartitionLog:
-    """One partition of the changelog as a restore reads it: the last record of each task not finished,
-    decoded (or why it cannot be), and the checkpoint (None: no scheduler with a changelog has written the
-    partition). The finished tasks' records went to the partition's spill (``scheduler.settled``)."""
+    """One partition of the changelog as a restore reads it: the last record of each task not ended, decoded
+    (or why it cannot be), and the checkpoint (None: no scheduler with a changelog has written the
+    partition). The ended tasks' records went to the partition's spill (``scheduler.settled``)."""
 
     tasks: dict[str, SavedTask | UnreadableRecord]
     checkpoint: int | None
@@ -113,9 +113,9 @@ class PartitionLog:
 
 
 def read_partition(bootstrap: str, topic: str, partition: int, settled: PartitionTasks) -> PartitionLog:
-    """Every record of the partition, the last of each key winning (a tombstone removes the task). A finished
-    task's record is spilled to ``settled`` as it is, not validated: most of a long history's tasks are
-    finished, and a command may never come for them (the caller ends the spill with ``settled.loaded``)."""
+    """Every record of the partition, the last of each key winning (a tombstone removes the task). An ended
+    task's record is spilled to ``settled`` as it is, not validated: most of a long history's tasks have
+    ended, and a command may never come for them (the caller ends the spill with ``settled.loaded``)."""
     tasks: dict[str, SavedTask | UnreadableRecord] = {}
     checkpoint: int | None = None
     read = 0
@@ -132,8 +132,8 @@ def read_partition(bootstrap: str, topic: str, partition: int, settled: Partitio
             tasks.pop(task_id, None)
             if value is None:
                 settled.unspill(task_id)
-            elif (finished := _settled_state(value)) is not None:
-                settled.spill_record(task_id, *finished)
+            elif (ended := _ended_state(value)) is not None:
+                settled.spill_record(task_id, *ended)
             else:
                 settled.unspill(task_id)
                 try:
@@ -143,8 +143,8 @@ def read_partition(bootstrap: str, topic: str, partition: int, settled: Partitio
     return PartitionLog(tasks, checkpoint, read)
 
 
-def _settled_state(value: bytes) -> tuple[bytes, int, int] | None:
-    """A record of a finished task that is not quarantined, as ``PartitionTasks.spill_record`` takes it (its
+def _ended_state(value: bytes) -> tuple[bytes, int, int] | None:
+    """A record of an ended task that is not quarantined, as ``PartitionTasks.spill_record`` takes it (its
     state encoded, the range of sequences it reflects), read with no more than a JSON parse; None for any
     other record, which is decoded whole."""
     try:
@@ -153,7 +153,7 @@ def _settled_state(value: bytes) -> tuple[bytes, int, int] | None:
             return None
         task = document["task"]
         state = task["state"]
-        if task["quarantine"] is not None or state is None or state["status"] not in _FINAL_VALUES:
+        if task["quarantine"] is not None or state is None or state["status"] not in _TERMINAL_VALUES:
             return None
         return orjson.dumps(state), int(task["overlap_from"]), int(state["sequence"])
     except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):

@@ -108,10 +108,9 @@ rewrap a busy partition's keys in minutes, little enough not to be felt in a bat
 
 IN_FLIGHT = Gauge("stepstream_tasks_in_flight", "Non-terminal tasks owned by this scheduler", ["partition"])
 HELD = Gauge("stepstream_scheduler_tasks_held",
-             "Tasks whose state this scheduler holds in memory: the unfinished ones", ["partition"])
+             "Tasks whose state this scheduler holds in memory: the ones not ended", ["partition"])
 SPILLED = Gauge("stepstream_scheduler_tasks_spilled",
-                "Finished tasks whose settled state this scheduler keeps on local disk (scheduler.settled)",
-                ["partition"])
+                "Ended tasks whose state this scheduler keeps on local disk (scheduler.settled)", ["partition"])
 RESTORE_RECORDS = Gauge("stepstream_scheduler_restore_records",
                         "Records the last restore of a partition read, from the changelog and from events",
                         ["partition", "source"])

@@ -29,6 +29,7 @@ from schemas.messages import (
     Message,
     OperatorCommand,
     RecoverStep,
+    StepCompensationStarted,
     StepResult,
     StepStarted,
     SubmitTask,
@@ -200,6 +201,25 @@ def test_a_repeated_and_a_contradictory_submission_of_a_spilled_task_are_told_ap
         handle(made, SubmitTask(task_id="spilled", workflow="orders", workflow_version=2,
                                 input={"order_id": "spilled", "sku": "B-2", "qty": 9, "amount": 90}))
     assert made._tasks[0]["spilled"].status == "completed"
+
+
+def test_a_task_waiting_for_an_operator_is_spilled_whole_and_comes_back_to_memory_when_retried() -> None:
+    made = scheduler()
+    made._known_topics.update(made.layout.agent(step.compensation.agent) for w in REGISTRY.workflows()
+                              for step in w.steps if step.compensation is not None)
+    started = next(m for _t, m in handle(made, submit("stuck")).sent if isinstance(m, StepStarted))
+    undo = next(m for _t, m in handle(made, StepResult(task_id="stuck", step=started.step, ok=False, permanent=True,
+                                                      attempt_id=started.attempt_id)).sent
+                if isinstance(m, StepCompensationStarted))
+    handle(made, StepResult(task_id="stuck", step=undo.step, attempt_id=undo.attempt_id, ok=False, permanent=True))
+    made.committed()
+    tasks = made._tasks[0]
+    assert (tasks["stuck"].status, tasks.in_memory, tasks.spilled) == ("compensation_failed", 0, 1)
+    assert tasks["stuck"].steps[0].error, "kept whole, not settled: the operator's retry needs it"
+
+    retried = handle(made, OperatorCommand(task_id="stuck", command_id="c1", action="retry-compensation"))
+    assert any(isinstance(m, StepCompensationStarted) for _t, m in retried.sent)
+    assert (tasks["stuck"].status, tasks.in_memory, tasks.spilled) == ("compensating", 1, 0)
 
 
 def test_a_task_finished_by_an_aborted_batch_is_put_back_live_and_out_of_the_spill() -> None:

@@ -288,7 +288,7 @@ def main() -> int:
     finally:
         if cluster is not None:
             cluster.stop()
-        admin.delete_topics([layout.events, layout.dlq, layout.inbox, layout.supervisor_lease])
+        admin.delete_topics([spec.name for spec in layout.core_specs()])  # keys and scheduler-state too
     figures["load_after"] = os.getloadavg()[0]
     table = Table(title=f"replay of {produced:,} events ({average:.0f} bytes on average), {PARTITIONS} partitions")
     for column in ("stage", "records", "seconds", "records/s", "of raw", "RSS MB (10%…100%)"):

@@ -70,12 +70,15 @@ def exact_ms(value: datetime) -> int:
 
 def project(db: Executor, event: Event) -> None:
     at = ms(event.occurred_at)
+    # pydantic's own JSON: the text ``orjson.dumps(model_dump(mode="json"))`` gave, byte for byte, for every value
+    # an event can carry (JSON fields come off the log through orjson), without building the dict first.
     db.execute(
         "insert into task_history(task_id, sequence, event_type, occurred_at, body) values (?, ?, ?, ?, ?)",
-        (event.task_id, event.sequence, type(event).__name__, at,
-         orjson.dumps(event.model_dump(mode="json")).decode()),
+        (event.task_id, event.sequence, type(event).__name__, at, event.model_dump_json()),
     )
-    task_update = "update tasks set sequence = ?, updated_at = ? where task_id = ?"
+    # The task row's changes the event makes, set together with its sequence and time in one statement.
+    task_sets = ""
+    task_values: tuple[Any, ...] = ()
     match event:
         case TaskAccepted() | TaskRejected():
             status = TaskStatus.ACCEPTED if isinstance(event, TaskAccepted) else TaskStatus.REJECTED
@@ -107,14 +110,12 @@ def project(db: Executor, event: Event) -> None:
                 "on conflict(task_id, step) do update set status = excluded.status, attempt = excluded.attempt, "
                 "attempt_id = excluded.attempt_id, complete_by = excluded.complete_by, "
                 "updated_at = excluded.updated_at, queued_at = excluded.queued_at, start_by = excluded.start_by, "
-                "accepted_at = null, waited_ms = null",
+                "accepted_at = null, waited_ms = null, retry_at = null, wait_reason = null",
                 (event.task_id, event.step, event.step_index, step_status, event.attempt, event.attempt_id,
                  deadline, at, at, start_by),
             )
-            db.execute("update tasks set status = ?, current_step = ?, retry_at = null, wait_reason = null "
-                       "where task_id = ?", (TaskStatus.RUNNING, event.step, event.task_id))
-            db.execute("update steps set retry_at = null, wait_reason = null where task_id = ? and step = ?",
-                       (event.task_id, event.step))
+            task_sets, task_values = ("status = ?, current_step = ?, retry_at = null, wait_reason = null, ",
+                                      (TaskStatus.RUNNING, event.step))
         case StepAccepted():
             db.execute(
                 "update steps set status = ?, complete_by = ?, accepted_at = ?, waited_ms = ?, updated_at = ? "
@@ -134,27 +135,24 @@ def project(db: Executor, event: Event) -> None:
                 "error = ?, updated_at = ? where task_id = ? and step = ?",
                 (StepStatus.FAILED, event.failure_count, event.calls, event.error, at, event.task_id, event.step),
             )
-            db.execute("update tasks set failure_count = failure_count + 1 where task_id = ?", (event.task_id,))
+            task_sets = "failure_count = failure_count + 1, "
         case TaskCompleted():
-            db.execute("update tasks set status = ?, current_step = null, erase_due_at = ? + retention_ms "
-                       "where task_id = ?", (TaskStatus.COMPLETED, at, event.task_id))
+            task_sets, task_values = ("status = ?, current_step = null, erase_due_at = ? + retention_ms, ",
+                                      (TaskStatus.COMPLETED, at))
         case TaskFailed():
-            db.execute("update tasks set status = ?, error = ? where task_id = ?",
-                       (TaskStatus.ERROR, _headline(event.step, event.reason), event.task_id))
+            task_sets, task_values = "status = ?, error = ?, ", (TaskStatus.ERROR, _headline(event.step, event.reason))
         case OperatorAlert():
             db.execute("insert into alerts(task_id, step, reason, occurred_at) values (?, ?, ?, ?)",
                        (event.task_id, event.step, event.reason, at))
         case StepResubmitted():
             db.execute("update steps set failure_count = 0, calls_used = 0, updated_at = ? where task_id = ? "
                        "and step = ?", (at, event.task_id, event.step))
-            db.execute("update tasks set status = ?, error = null where task_id = ?",
-                       (TaskStatus.RUNNING, event.task_id))
+            task_sets, task_values = "status = ?, error = null, ", (TaskStatus.RUNNING,)
         case CompensationStarted():
             # An operator's compensation of a task in error keeps the error that put it there.
             error = None if event.trigger == "operator" else _headline(event.step, event.reason)
-            db.execute("update tasks set status = ?, current_step = null, error = coalesce(?, error), "
-                       "retry_at = null, wait_reason = null where task_id = ?",
-                       (TaskStatus.COMPENSATING, error, event.task_id))
+            task_sets, task_values = ("status = ?, current_step = null, error = coalesce(?, error), retry_at = null, "
+                                      "wait_reason = null, ", (TaskStatus.COMPENSATING, error))
             # A forward retry still waiting never runs: its step is a failed one to undo (as the decider has it).
             db.execute("update steps set status = ?, retry_at = null, wait_reason = null "
                        "where task_id = ? and status = ?", (StepStatus.FAILED, event.task_id, StepStatus.WAITING))
@@ -166,14 +164,11 @@ def project(db: Executor, event: Event) -> None:
                                                            StepStatus.COMPENSATING)
             db.execute(
                 "update steps set status = ?, compensation_attempt = ?, attempt_id = ?, complete_by = ?, "
-                "updated_at = ?, queued_at = ?, start_by = ?, accepted_at = null, waited_ms = null "
-                "where task_id = ? and step = ?",
+                "updated_at = ?, queued_at = ?, start_by = ?, accepted_at = null, waited_ms = null, retry_at = null, "
+                "wait_reason = null where task_id = ? and step = ?",
                 (step_status, event.attempt, event.attempt_id, deadline, at, at, start_by, event.task_id, event.step),
             )
-            db.execute("update tasks set current_step = ?, retry_at = null, wait_reason = null where task_id = ?",
-                       (event.step, event.task_id))
-            db.execute("update steps set retry_at = null, wait_reason = null where task_id = ? and step = ?",
-                       (event.task_id, event.step))
+            task_sets, task_values = "current_step = ?, retry_at = null, wait_reason = null, ", (event.step,)
         case StepCompensated():
             db.execute(
                 "update steps set status = ?, compensation_calls_used = compensation_calls_used + ?, "
@@ -192,40 +187,38 @@ def project(db: Executor, event: Event) -> None:
             db.execute("update steps set compensation_failure_count = 0, compensation_calls_used = 0, updated_at = ? "
                        "where task_id = ? and step = ?", (at, event.task_id, event.step))
             # The failed compensation is being retried: the headline goes back to why the task is undone.
-            db.execute("update tasks set status = ?, error = ? where task_id = ?",
-                       (TaskStatus.COMPENSATING, _compensation_cause(db, event.task_id), event.task_id))
+            task_sets, task_values = "status = ?, error = ?, ", (TaskStatus.COMPENSATING,
+                                                                  _compensation_cause(db, event.task_id))
         case TaskCompensated():
-            db.execute("update tasks set status = ?, current_step = null, erase_due_at = ? + retention_ms "
-                       "where task_id = ?", (TaskStatus.COMPENSATED, at, event.task_id))
+            task_sets, task_values = ("status = ?, current_step = null, erase_due_at = ? + retention_ms, ",
+                                      (TaskStatus.COMPENSATED, at))
         case TaskCompensationFailed():
-            db.execute("update tasks set status = ?, current_step = null, error = ? where task_id = ?",
-                       (TaskStatus.COMPENSATION_FAILED, _headline(event.step, event.reason), event.task_id))
+            task_sets, task_values = ("status = ?, current_step = null, error = ?, ",
+                                      (TaskStatus.COMPENSATION_FAILED, _headline(event.step, event.reason)))
         case StepRetryScheduled():
             retry_at = ms(event.not_before)
             db.execute("update steps set status = ?, retry_at = ?, wait_reason = ?, updated_at = ? "
                        "where task_id = ? and step = ?",
                        (StepStatus.WAITING, retry_at, event.reason, at, event.task_id, event.step))
             # A forward wait is the task's state; an undo's leaves it compensating, with when and why it waits.
-            db.execute("update tasks set status = case when ? then status else ? end, current_step = null, "
-                       "retry_at = ?, wait_reason = ? where task_id = ?",
-                       (event.compensation, TaskStatus.WAITING, retry_at, event.reason, event.task_id))
+            task_sets, task_values = ("status = case when ? then status else ? end, current_step = null, "
+                                      "retry_at = ?, wait_reason = ?, ",
+                                      (event.compensation, TaskStatus.WAITING, retry_at, event.reason))
         case RetryBroughtForward():
             db.execute("update steps set retry_at = ?, updated_at = ? where task_id = ? and step = ?",
                        (at, at, event.task_id, event.step))
-            db.execute("update tasks set retry_at = ? where task_id = ?", (at, event.task_id))
+            task_sets, task_values = "retry_at = ?, ", (at,)
         case TaskQuarantined():
             # Set aside by the scheduler (its history does not fold): no command runs until a release.
-            db.execute("update tasks set status = ?, quarantine_reason = ? where task_id = ?",
-                       (TaskStatus.QUARANTINED, event.reason, event.task_id))
+            task_sets, task_values = "status = ?, quarantine_reason = ?, ", (TaskStatus.QUARANTINED, event.reason)
         case TaskReleased():
-            db.execute("update tasks set status = ?, quarantine_reason = null where task_id = ?",
-                       (event.status, event.task_id))
+            task_sets, task_values = "status = ?, quarantine_reason = null, ", (event.status,)
         case TaskDataErased():
-            db.execute("update tasks set erased_at = ?, erased_by = ? where task_id = ?",
-                       (at, event.operator or "an operator", event.task_id))
+            task_sets, task_values = "erased_at = ?, erased_by = ?, ", (at, event.operator or "an operator")
         case MessageIgnored() | OperatorCommandRefused():
             pass
-    db.execute(task_update, (event.sequence, at, event.task_id))
+    db.execute(f"update tasks set {task_sets}sequence = ?, updated_at = ? where task_id = ?",
+               (*task_values, event.sequence, at, event.task_id))
 
 
 def _handed_over(event: StepStarted | StepCompensationStarted, queued: StepStatus,

@@ -28,7 +28,7 @@ __all__ = ["saga"]
 
 pytestmark = pytest.mark.kafka
 
-TASKS = int(os.environ.get("STEPSTREAM_CHAOS_TASKS", "160"))  # 240 and more for a soak run
+TASKS = int(os.environ.get("STEPSTREAM_CHAOS_TASKS", "100"))  # 240 and more for a soak run
 
 
 def kill_and_restart(system: System, *names: str) -> None:

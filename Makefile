@@ -32,9 +32,11 @@ $(PROMTOOL):
 test: jars $(PROMTOOL)
 	$(PY) -m pytest
 
-# The soak run kept out of `make test`'s 15 minutes: two of every service on three brokers, one SIGKILLed.
+# The soak runs kept out of `make test`'s 15 minutes: two of every service on three brokers, one SIGKILLed;
+# tasks waiting out services and a broker SIGKILLed every few seconds.
 soak: jars
-	STEPSTREAM_SOAK_TASKS=$${STEPSTREAM_SOAK_TASKS:-40} $(PY) -m pytest -n 0 tests/test_many_instances.py
+	STEPSTREAM_SOAK_TASKS=$${STEPSTREAM_SOAK_TASKS:-40} $(PY) -m pytest -n 0 tests/test_many_instances.py \
+		tests/test_waiting_out_kills.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

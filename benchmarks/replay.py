@@ -18,8 +18,11 @@ histories (tests/histories.py: ~8 events a task, retries, failures, alerts) and 
    and its worker processes together is sampled 5 times a second: it must stay flat as the replay goes on;
 3. the same two into a PostgreSQL schema;
 4. where the time goes, in this process on the first 100,000 records: decoding (Avro + pydantic), the row
-   mapping's Python side (``rows.project`` against a null executor), and applying decoded events to a
-   fresh SQLite store; the side-by-side rebuilds report how long loading the staged rows took.
+   mapping's Python side (``rows.project`` against an executor that runs nothing), and applying decoded events
+   to a fresh SQLite store; the side-by-side rebuilds report how long loading the staged rows took;
+5. the floor, in CPU time: fastavro alone and the mapping's SQL statements alone (executed from a recording),
+   the two parts that are native libraries already. Their sum against the CPU a target leaves an event on
+   this machine's cores says whether any Python replay could meet it.
 
 Targets: 100,000 records/s into SQLite, 50,000 into PostgreSQL (side by side).
 
@@ -30,8 +33,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import os
 import platform
+import sqlite3
 import statistics
 import subprocess
 import sys
@@ -46,6 +51,7 @@ from typing import Any
 import orjson
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
+from fastavro import schemaless_reader
 from rich.console import Console
 from rich.table import Table
 
@@ -55,7 +61,7 @@ from eventstore.settings import KafkaSettings
 from eventstore.topics import TopicLayout, ensure_topics
 from projections.rows import project
 from projections.store import Positioned, SqliteStore
-from schemas.codec import default_codec
+from schemas.codec import HEADER_SIZE, default_codec
 from schemas.messages import Event
 from tests.histories import histories
 
@@ -207,6 +213,16 @@ def rebuild_pair(backend: str, env: dict[str, str], into: str, workers: int | No
     return stages
 
 
+class Recorder:
+    """An executor that runs nothing and keeps the statements: the row mapping's Python side on its own."""
+
+    def __init__(self) -> None:
+        self.statements: list[tuple[str, tuple[Any, ...]]] = []
+
+    def execute(self, sql: str, params: tuple[Any, ...] = ()) -> None:
+        self.statements.append((sql, params))
+
+
 def breakdown(values: list[bytes]) -> dict[str, float]:
     """Microseconds per event of each part of a replay, measured apart on the same records."""
     codec = default_codec()
@@ -214,14 +230,10 @@ def breakdown(values: list[bytes]) -> dict[str, float]:
     events = [codec.decode(v) for v in values]
     decode = time.perf_counter() - started
 
-    class Null:
-        def execute(self, _sql: str, _params: tuple[Any, ...] = ()) -> None:
-            return None
-
-    null = Null()
+    recorder = Recorder()
     started = time.perf_counter()
     for event in events:
-        project(null, event)  # type: ignore[arg-type]
+        project(recorder, event)  # type: ignore[arg-type]
     mapping = time.perf_counter() - started
     with tempfile.TemporaryDirectory() as folder:
         store = SqliteStore(Path(folder) / "b.db", scratch=True)
@@ -234,6 +246,51 @@ def breakdown(values: list[bytes]) -> dict[str, float]:
     n = len(values)
     return {"decode_us": round(1e6 * decode / n, 2), "row_mapping_python_us": round(1e6 * mapping / n, 2),
             "apply_sqlite_us_incl_mapping": round(1e6 * apply / n, 2)}
+
+
+def floors(values: list[bytes]) -> dict[str, float]:
+    """CPU microseconds per event of the two parts of a replay that are native libraries already, with none of
+    the project's Python around them: what a replay in Python costs at the very least.
+
+    * ``avro_us``: fastavro's ``schemaless_reader`` alone (no validation, no conversion), writer schema only;
+    * ``sql_us``: the statements ``rows.project`` issues for these events, recorded once and then executed
+      through ``sqlite3`` into a staging store (key indexes only, as the side-by-side workers write), 2,000
+      events a transaction.
+    """
+    codec = default_codec()
+    writers = [codec.registry.by_fingerprint[v[2:HEADER_SIZE]].parsed for v in values]
+    started = time.process_time()
+    for value, writer in zip(values, writers, strict=True):
+        body = io.BytesIO(value)
+        body.seek(HEADER_SIZE)
+        schemaless_reader(body, writer, None)
+    avro = time.process_time() - started
+    batches = []
+    events = [e for e in (codec.decode(v) for v in values) if isinstance(e, Event)]
+    for i in range(0, len(events), 2000):
+        recorder = Recorder()
+        for event in events[i:i + 2000]:
+            project(recorder, event)
+        batches.append(recorder.statements)
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "floor.db"
+        store = SqliteStore(path, scratch=True)
+        store.keys_only()
+        store.close()
+        conn = sqlite3.connect(path, isolation_level=None)
+        conn.execute("pragma journal_mode=memory")
+        conn.execute("pragma synchronous=off")
+        started = time.process_time()
+        for statements in batches:
+            conn.execute("begin")
+            for sql, params in statements:
+                conn.execute(sql, params)
+            conn.execute("commit")
+        sql_cpu = time.process_time() - started
+        conn.close()
+    n = len(values)
+    return {"avro_us": round(1e6 * avro / n, 2), "sql_us": round(1e6 * sql_cpu / n, 2),
+            "statements_per_event": round(sum(len(b) for b in batches) / n, 2)}
 
 
 def postgres_url(given: str | None) -> tuple[str, Any]:
@@ -285,6 +342,7 @@ def main() -> int:
                 stages += rebuild_pair("PostgreSQL", env, url + "?schema=bench_rebuild_{}", args.workers)
         console.print("breakdown on the first 100,000 records …")
         figures["breakdown_us_per_event"] = breakdown(sample)
+        figures["floor_cpu_us_per_event"] = floors(sample)
     finally:
         if cluster is not None:
             cluster.stop()
@@ -311,6 +369,17 @@ def main() -> int:
                         f"{staged.rate / baseline.rate:.2f}x in order, {staged.rate / goal:.2f} of the "
                         f"{goal:,} target ({'met' if staged.rate >= goal else 'missed'})")
     Console().print(f"per event: {figures['breakdown_us_per_event']}")
+    floor = figures["floor_cpu_us_per_event"]
+    floor["avro_and_sql_us"] = round(floor["avro_us"] + floor["sql_us"], 2)
+    for backend, goal in TARGETS.items():
+        # CPU a target rate leaves an event if every core replays and nothing else runs (no consuming, loading,
+        # validation or mapping): a floor above it cannot meet the target in Python on this machine.
+        budget = round((os.cpu_count() or 1) * 1e6 / goal, 2)
+        figures["targets"].setdefault(backend, {})["cpu_budget_us_per_event"] = budget
+    Console().print(f"floor, CPU µs an event: fastavro alone {floor['avro_us']}, the SQL alone {floor['sql_us']} "
+                    f"({floor['statements_per_event']} statements): {floor['avro_and_sql_us']} against a budget of "
+                    f"{figures['targets']['sqlite']['cpu_budget_us_per_event']} for the SQLite target on "
+                    f"{os.cpu_count()} CPUs")
     figures["raw_median_of_3"] = statistics.median(raw.repeats)
     sys.stdout.write(orjson.dumps(figures).decode() + "\n")
     return 0

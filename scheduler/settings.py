@@ -19,7 +19,8 @@ class SchedulerSettings(BaseSettings):
     max_in_flight: int = Field(default=DEFAULT_MAX_IN_FLIGHT, ge=1, description="admission bound per inbox "
                                "partition (the default's reasoning: scheduler.decider.DEFAULT_MAX_IN_FLIGHT)")
     instance: str | None = Field(default=None, pattern=r"^[\w.-]+$",
-                                 description="stable name of this scheduler; a restart fences its predecessor")
+                                 description="stable name of this scheduler; a restart fences its predecessor "
+                                 "(unset: the lowest slot free on this host, scheduler/instance.py)")
 
     def load_registry(self) -> WorkflowRegistry:
         module_name, _, attribute = self.workflows.partition(":")

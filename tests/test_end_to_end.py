@@ -6,6 +6,7 @@ import time
 from collections import Counter
 from datetime import timedelta
 
+import orjson
 import pytest
 
 from schemas.messages import (
@@ -68,14 +69,30 @@ def test_scheduler_sigkilled_mid_task_is_replaced_and_every_task_completes_witho
     for task_id in ids:
         system.submit(task_id, version=1)
     assert wait_for(lambda: sum(1 for t in ids if system.task(t)) >= 6, timeout_s=60)
+    killed = _scheduler_instance(system)
     system.procs.kill("scheduler")
     system.restart("scheduler")
+    # Its successor takes its name, so its transactional id fences what the killed one left open at once.
+    assert _scheduler_instance(system) == killed
     statuses = system.wait_terminal(ids, timeout_s=120)
     assert set(statuses.values()) == {"completed"}, statuses
     _assert_each_side_effect_applied_once(system, ids)
     for task_id in ids:
         sequences = [e.sequence for e in system.events(task_id)]
         assert sequences == list(range(1, len(sequences) + 1)), f"{task_id}: one history, no gaps or repeats"
+
+
+def _scheduler_instance(system: System) -> str:
+    """The instance name the running scheduler logged (scheduler/instance.py)."""
+    found: list[str] = []
+
+    def logged() -> bool:
+        found[:] = [orjson.loads(line)["instance"] for line in system.procs.log("scheduler").splitlines()
+                    if '"scheduler instance"' in line]
+        return bool(found)
+
+    assert wait_for(logged, timeout_s=30), system.procs.log("scheduler")
+    return found[0]
 
 
 def test_agent_sigkilled_mid_call_is_recovered_by_the_supervisor_with_a_new_attempt(system: System) -> None:

@@ -40,14 +40,19 @@ def _unready_on(stop: threading.Event) -> None:
 
 def run_scheduler() -> int:
     from scheduler.decider import Limits
+    from scheduler.instance import scheduler_instance
     from scheduler.service import build_scheduler
     from scheduler.settings import SchedulerSettings
     from schemas.sealed import EncryptionSettings
 
     kafka, consumer, stop = _prepare("scheduler")
     settings = SchedulerSettings()
-    build_scheduler(kafka, consumer, settings.load_registry(), Limits(max_in_flight=settings.max_in_flight),
-                    settings.instance, stop, keyring=EncryptionSettings().keyring()).run()
+    # Named, so that its restart after a crash fences the transaction it left open (scheduler/instance.py).
+    with scheduler_instance(settings.instance, kafka.home) as instance:
+        structlog.get_logger("stepstream.scheduler").info("scheduler instance", instance=instance,
+                                                          given=settings.instance is not None)
+        build_scheduler(kafka, consumer, settings.load_registry(), Limits(max_in_flight=settings.max_in_flight),
+                        instance, stop, keyring=EncryptionSettings().keyring()).run()
     return 0
 
 

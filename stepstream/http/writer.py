@@ -107,10 +107,14 @@ class TaskWriter:
         self._poller = threading.Thread(target=self._serve_deliveries, name="delivery-reports", daemon=True)
         self._poller.start()
 
+    def flush(self, timeout_s: float = 10) -> int:
+        """Wait until everything produced so far is acknowledged, or ``timeout_s``: how many still wait."""
+        return int(self._producer.flush(timeout_s))
+
     def close(self) -> None:
         self._closed.set()
         self._poller.join(5)
-        self._producer.flush(10)
+        self.flush()
         self.watcher.close()
 
     # -- submissions --

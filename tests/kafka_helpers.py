@@ -8,6 +8,8 @@ from collections.abc import Callable
 
 from confluent_kafka import Consumer, Message
 
+from eventstore.replay import LogRange
+
 
 def read_all(bootstrap: str, topic: str, *, expect: int, timeout_s: float = 30.0) -> list[Message]:
     """Read a topic from the beginning (read_committed) until ``expect`` messages or the timeout."""
@@ -29,6 +31,13 @@ def read_all(bootstrap: str, topic: str, *, expect: int, timeout_s: float = 30.0
     finally:
         consumer.close()
     return out
+
+
+def read_to_end(bootstrap: str, topic: str) -> list[Message]:
+    """Every record of ``topic`` up to its end now, committed or not: for what a process that has returned (an
+    answer given, a command exited, a producer flushed) put there, with no waiting for records that should
+    not come."""
+    return list(LogRange(bootstrap, topic, committed_only=False))
 
 
 def wait_for(condition: Callable[[], bool], timeout_s: float = 30.0, interval_s: float = 0.05) -> bool:

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from eventstore.replay import LogRange
+from eventstore.topics import TopicLayout
 from projections.lag import LagReader
 from projections.store import SqliteStore
 from schemas.codec import default_codec
@@ -24,7 +24,7 @@ from stepstream.http.app import create_app
 from stepstream.http.settings import ApiSettings
 from stepstream.http.writer import TaskWriter
 from stepstream.http.writes import write_router
-from tests.kafka_helpers import read_all, wait_for
+from tests.kafka_helpers import read_all, read_to_end, wait_for
 from tests.system import System
 from tests.workflows import REGISTRY
 
@@ -72,15 +72,18 @@ def api(system: System) -> Iterator[Api]:
         opened.close()
 
 
-def inbox(api: Api) -> list[SubmitTask | OperatorCommand]:
-    """The submissions and operator commands on ``inbox`` (agents' results go there too), read to its end once
-    the API's producer has nothing left unacknowledged: whatever a request produced, even one it refused, is
-    there, with no waiting for it."""
-    assert api.writer.flush() == 0
+def requests_on_inbox(bootstrap: str, layout: TopicLayout) -> list[SubmitTask | OperatorCommand]:
+    """The submissions and operator commands on ``inbox`` (agents' results go there too), read to its end."""
     codec = default_codec()
-    log = LogRange(api.system.bootstrap, api.system.layout.inbox, committed_only=False)
-    decoded = [codec.decode(m.value()) for m in log]
+    decoded = [codec.decode(m.value()) for m in read_to_end(bootstrap, layout.inbox)]
     return [m for m in decoded if isinstance(m, SubmitTask | OperatorCommand)]
+
+
+def inbox(api: Api) -> list[SubmitTask | OperatorCommand]:
+    """What reached ``inbox`` once the API's producer has nothing left unacknowledged: whatever a request
+    produced, even one it refused, is there, with no waiting for it."""
+    assert api.writer.flush() == 0
+    return requests_on_inbox(api.system.bootstrap, api.system.layout)
 
 
 def test_a_posted_task_gets_201_its_repeat_200_and_it_runs_once(system: System, api: Api) -> None:

@@ -18,10 +18,14 @@ from confluent_kafka import Message as KafkaMessage
 
 from eventstore.errors import LogReadError
 from eventstore.kafka_config import connection_config, consume_available
+from eventstore.merge import OrderKey, PartitionMerge
 from eventstore.runtime import Record
 from eventstore.topics import reader_group
 from schemas.codec import Codec, default_codec
 from schemas.errors import DecodeError
+
+BUFFERED_PER_PARTITION = 5000
+"""Records a partition may have waiting in a merged read (``LogRange``) before its fetching pauses."""
 
 LEADERSHIP_MOVING = frozenset({
     KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE, KafkaError.FENCED_LEADER_EPOCH,
@@ -61,7 +65,8 @@ class ReplayStats:
 
 
 class LogRange:
-    """A topic's partitions from start offsets up to end offsets (exclusive), raw, headers included.
+    """A topic's partitions from start offsets up to end offsets (exclusive), raw, headers included, several
+    partitions merged by timestamp.
 
     No consumer group (nothing committed, nobody's assignment changes) and read_committed, so aborted
     transactions never show. ``partitions`` defaults to all; a partition's start to its low watermark
@@ -114,30 +119,65 @@ class LogRange:
         self._consumer.close()
 
     def __iter__(self) -> Iterator[KafkaMessage]:
+        """In offset order per partition; several partitions merged by timestamp (``eventstore.merge``), so
+        every read of the range hands the records out in the same order."""
         pending = {p for p in self.partitions if self.ends[p] > self.starts[p]}
         if not pending:
             self._consumer.close()
             return
         self._consumer.assign([TopicPartition(self.topic, p, self.starts[p]) for p in sorted(pending)])
+        merge = PartitionMerge(pending, _order) if len(pending) > 1 else None
+        paused: set[int] = set()
+
+        def ended(partition: int) -> None:
+            pending.discard(partition)
+            if merge is not None:
+                merge.finish(partition)
+
         try:
             while pending:
                 for msg in consume_available(self._consumer, self.batch_size, 1.0):
                     partition = msg.partition()
                     if msg.error() is not None:
                         if msg.error().code() == KafkaError._PARTITION_EOF:
-                            pending.discard(partition)
+                            ended(partition)
                             continue
                         raise LogReadError(f"reading {self.topic}[{partition}] failed: {msg.error()}")
                     if partition not in pending:
                         continue
                     if msg.offset() >= self.ends[partition]:
-                        pending.discard(partition)
+                        ended(partition)
                         continue
-                    yield msg
+                    if merge is None:
+                        yield msg
+                    else:
+                        merge.add(partition, msg)
                     if msg.offset() + 1 >= self.ends[partition]:
-                        pending.discard(partition)
+                        ended(partition)
+                if merge is not None:
+                    yield from merge.ready()
+                    self._throttle(merge, pending, paused)
+            if merge is not None:
+                yield from merge.ready()
         finally:
             self._consumer.close()
+
+    def _throttle(self, merge: PartitionMerge[KafkaMessage], pending: set[int], paused: set[int]) -> None:
+        """Pauses fetching a partition while it has many records buffered waiting for another's, so a
+        partition whose records are all later than another's is not held in memory whole."""
+        limit = max(BUFFERED_PER_PARTITION, 2 * self.batch_size)
+        over = {p for p in pending if merge.buffered(p) >= limit} - paused
+        under = {p for p in paused if p not in pending or merge.buffered(p) < limit // 2}
+        if over:
+            self._consumer.pause([TopicPartition(self.topic, p) for p in sorted(over)])
+        if under:
+            self._consumer.resume([TopicPartition(self.topic, p) for p in sorted(under)])
+        paused |= over
+        paused -= under
+
+
+def _order(msg: KafkaMessage) -> OrderKey:
+    return msg.timestamp()[1], msg.partition(), msg.offset()
 
 
 class ReplayReader:

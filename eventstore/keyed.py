@@ -131,7 +131,7 @@ class KeyedConsumerRuntime(ConsumerRuntime):
         if self._freed.wait(self.settings.poll_timeout_s):
             self._freed.clear()
             return []
-        # Paused again every time: partitions assigned since the last pause arrive unpaused.
+        # Paused again every time: partitions assigned since the last pause arrive unpaused (``_assigned_cb``).
         self._consumer.pause(self._consumer.assignment())
         self._paused = True
         # Whatever was fetched before the pause is taken, not lost.

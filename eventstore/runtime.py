@@ -407,6 +407,10 @@ class ConsumerRuntime:
             positioned = self._on_assign(partitions)
             if positioned is not None:
                 consumer.assign(positioned)
+        # librdkafka keeps a partition paused across its revocation and a new assignment to the same consumer:
+        # one the loop had paused (back-pressure, a retry's wait) when it was revoked came back never fetched,
+        # the loop having resumed the assignment it saw in between, which was empty.
+        consumer.resume(partitions)
         if self._on_assign_paused is not None:
             consumer.assign(partitions)
             consumer.pause(partitions)

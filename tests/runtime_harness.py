@@ -17,10 +17,10 @@ FAST = ConsumerSettings(poll_timeout_s=0.1, commit_interval_ms=100, lag_interval
 
 
 @contextmanager
-def running(bootstrap: str, layout: TopicLayout, topic: str, handler: Handler,
-            **kwargs: Any) -> Iterator[ConsumerRuntime]:
-    runtime = ConsumerRuntime(bootstrap=bootstrap, group_id=f"g-{uuid.uuid4().hex}", topics=[topic],
-                              handler=handler, dlq_topic=layout.dlq, settings=FAST, **kwargs)
+def running(bootstrap: str, layout: TopicLayout, topic: str, handler: Handler, *,
+            kind: type[ConsumerRuntime] = ConsumerRuntime, **kwargs: Any) -> Iterator[ConsumerRuntime]:
+    runtime = kind(bootstrap=bootstrap, group_id=f"g-{uuid.uuid4().hex}", topics=[topic],
+                   handler=handler, dlq_topic=layout.dlq, settings=FAST, **kwargs)
     errors: list[BaseException] = []
 
     def target() -> None:

@@ -39,6 +39,7 @@ from scheduler.decider import (
     decide,
     fold,
 )
+from scheduler.decider.timers import defer_s, not_before
 from scheduler.workflow import Backoff, Compensation, Step, Workflow, WorkflowRegistry
 from schemas.codec import default_codec
 from schemas.messages import (
@@ -60,6 +61,7 @@ from schemas.messages import (
     StepCompensated,
     StepCompensationSkipped,
     StepCompensationStarted,
+    StepFailed,
     StepResubmitted,
     StepResult,
     StepRetryScheduled,
@@ -316,7 +318,7 @@ class DeciderMachine(RuleBasedStateMachine):
         if isinstance(command, StepResult) and command.deferred and before is not None \
                 and before.current_step is not None and before.steps[before.current_step].lock == command.attempt_id \
                 and not before.is_terminal:
-            self.check_deferred(before, events, after)
+            self.check_deferred(command, before, events, after, now)
 
     @staticmethod
     def check_fired(command: RetryDue, before: TaskState, events: tuple[Event, ...], now: datetime) -> None:
@@ -335,11 +337,24 @@ class DeciderMachine(RuleBasedStateMachine):
         note("timer fired")
 
     @staticmethod
-    def check_deferred(before: TaskState, events: tuple[Event, ...], after: TaskState | None) -> None:
-        """An attempt refused without a call ends in a timer, not a failure: nothing charged, nothing counted."""
+    def check_deferred(command: StepResult, before: TaskState, events: tuple[Event, ...], after: TaskState | None,
+                       now: datetime) -> None:
+        """An attempt refused without a call ends in a timer, not a failure: nothing charged, nothing counted;
+        unless a forward attempt's deferral could start only past the step's total time, when the step gives up
+        (its attempt failed, charging no call) and escalates."""
         assert before.current_step is not None and after is not None
-        assert [type(e) for e in events] == [StepRetryScheduled]
         old, new = before.steps[before.current_step], after.steps[before.current_step]
+        workflow = REGISTRY.get(before.workflow, before.workflow_version)
+        delay = defer_s(workflow.steps[before.current_step].backoff, old.failure_count,
+                        f"{command.attempt_id}/deferred", command)
+        if old.status == "processing" and workflow.step_total_s is not None and old.first_started_at is not None \
+                and not_before(now, delay) > old.first_started_at + timedelta(seconds=workflow.step_total_s):
+            failed = events[0]
+            assert isinstance(failed, StepFailed) and failed.calls == 0 and "total time spent" in failed.error
+            assert len(events) > 1, "the step escalates"
+            note("deferral past the step's total time: escalated")
+            return
+        assert [type(e) for e in events] == [StepRetryScheduled]
         assert new.status == "waiting" and after.current_step is None
         assert (new.failure_count, new.calls_used) == (old.failure_count, old.calls_used)
         assert (new.compensation.failure_count, new.compensation.calls_used) == (

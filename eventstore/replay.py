@@ -154,11 +154,9 @@ class LogRange:
                         merge.add(partition, msg)
                     if msg.offset() + 1 >= self.ends[partition]:
                         ended(partition)
-                if merge is not None:
+                if merge is not None:  # once every partition ended, this hands out all that is left
                     yield from merge.ready()
                     self._throttle(merge, pending, paused)
-            if merge is not None:
-                yield from merge.ready()
         finally:
             self._consumer.close()
 

@@ -7,13 +7,14 @@ import uuid
 
 import pytest
 from confluent_kafka import Producer
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient
 from hypothesis import given
 from hypothesis import strategies as st
 
 from eventstore.kafka_config import connection_config
 from eventstore.merge import OrderKey, PartitionMerge
 from eventstore.replay import LogRange
+from eventstore.topics import TopicSpec, ensure_topics
 
 Record = tuple[int, int, int]  # (timestamp, partition, offset), its own key
 
@@ -71,8 +72,7 @@ def test_a_range_over_several_partitions_is_read_in_timestamp_order_every_time(b
     """Partition 0's records are all later than partition 1's: a merged read holds partition 0 back,
     pausing it once thousands wait, and gives every record once."""
     topic = f"merge-{uuid.uuid4().hex[:10]}"
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    admin.create_topics([NewTopic(topic, 3, 1)])[topic].result()
+    ensure_topics(AdminClient({"bootstrap.servers": bootstrap}), [TopicSpec(topic, 3)])
     producer = Producer({**connection_config(bootstrap), "linger.ms": 5})
     base = 1_700_000_000_000
     for i in range(12_000):

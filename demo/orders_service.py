@@ -47,10 +47,11 @@ same key. ``hang`` is the opposite: it holds the request until the client discon
 ``hang_max_s``) and applies nothing.
 
 Run: ``python -m demo.orders_service --host 127.0.0.1 --port 8080 [--seed 0] [--state-file PATH]``.
-With ``--state-file`` every applied effect, idempotency result and fencing high-water mark is
-written atomically (temp file, fsync, rename) before the response is sent, so a restarted service
-keeps deduplicating. Request/outcome counters ride along in the same file but are only flushed with
-those writes and at shutdown (a SIGKILL may lose the last few counts, never an effect).
+With ``--state-file`` every applied effect, idempotency result, tombstone and fencing high-water mark is
+journaled (``demo.orders_journal``: a line of what changed, fsync'd as a group commit) before the response
+is sent, so a restarted service keeps deduplicating; the state file is the snapshot the journal folds into.
+Request/outcome counters ride along in the journal lines of their key and at shutdown (a SIGKILL may lose
+the last few counts, never an effect).
 """
 
 from __future__ import annotations
@@ -62,7 +63,6 @@ import logging
 import os
 import random
 import signal
-import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -78,6 +78,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from demo.orders_journal import Changes, Journal, delta
 from eventstore.tracing import configure_tracing
 
 log = logging.getLogger("stepstream.orders_service")
@@ -228,6 +229,9 @@ class OrdersState:
         self.shipments: dict[str, JSON] = {}
         #: forward operation -> undone idempotency key -> who undid it: later forward calls are refused.
         self.tombstones: dict[str, dict[str, JSON]] = {}
+        #: What changed since the last journal line (``demo.orders_journal``), and the first effect not in one.
+        self.changes = Changes()
+        self.effects_journaled = 0
 
     def to_json(self) -> JSON:
         return {
@@ -261,35 +265,13 @@ class OrdersState:
         state.charges = data["charges"]
         state.shipments = data["shipments"]
         state.tombstones = data.get("tombstones", {})  # absent from files written before undo fencing
+        state.effects_journaled = len(state.effects)
         return state
 
     def record_outcome(self, op: str, key: str, outcome: str) -> None:
         per_key = self.outcomes.setdefault(op, {}).setdefault(key, {})
         per_key[outcome] = per_key.get(outcome, 0) + 1
-
-
-def write_atomically(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data`` so a crash leaves either the old or the new file, never half.
-
-    Temp file in the same directory (same filesystem, so ``os.replace`` is atomic), fsync of the
-    file before the rename and of the directory after it, so the rename itself is durable.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+        self.changes.keyed.add((op, key))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -354,7 +336,27 @@ def _undo(
 
 
 def apply_operation(state: OrdersState, op: Operation, body: JSON, order_id: str, key: str) -> JSON:
-    """Perform the side effect of ``op`` on ``state`` and return the result to store and answer."""
+    """Perform the side effect of ``op`` on ``state`` and return the result to store and answer; the
+    resources it created or undid are marked changed (journaled with the response)."""
+    result = _apply(state, op, body, order_id, key)
+    table, id_field, undone_field = RESOURCES_OF[op]
+    touched = result.get(undone_field, []) if undone_field else [result[id_field]]
+    state.changes.resources.update((table, rid) for rid in touched)
+    return result
+
+
+#: operation -> (its resource table, the id field of a created resource, the result's list of undone ids)
+RESOURCES_OF: dict[Operation, tuple[str, str, str | None]] = {
+    "inventory/reserve": ("reservations", "reservation_id", None),
+    "inventory/release": ("reservations", "reservation_id", "released"),
+    "payments/charge": ("charges", "charge_id", None),
+    "payments/refund": ("charges", "charge_id", "refunded"),
+    "shipping/create": ("shipments", "shipment_id", None),
+    "shipping/cancel": ("shipments", "shipment_id", "cancelled"),
+}
+
+
+def _apply(state: OrdersState, op: Operation, body: JSON, order_id: str, key: str) -> JSON:
     if op == "inventory/reserve":
         reservation_id = _new_id("res")
         state.reservations[reservation_id] = {
@@ -485,20 +487,30 @@ class OrdersService:
         self.peak_in_flight = 0  # the most requests handled at once since start or reset
         self.shutting_down = False
         self.started_at = _now()
+        self.journal = Journal(state_file) if state_file is not None else None
         self.state = self._load()
 
     # ---- persistence -------------------------------------------------------------------------
 
     def _load(self) -> OrdersState:
-        if self.state_file is None or not self.state_file.exists():
+        if self.journal is None:
             return OrdersState()
         # A corrupt file fails start-up loudly: silently starting empty would break dedup.
-        return OrdersState.from_json(orjson.loads(self.state_file.read_bytes()))
+        tables = self.journal.load()
+        state = OrdersState() if tables is None else OrdersState.from_json(tables)
+        self.journal.compact(state.to_json())  # the journal folded in: start from a snapshot alone
+        return state
 
     def persist(self) -> None:
-        """Write the state file (if any). Called under the lock, before the response is sent."""
-        if self.state_file is not None:
-            write_atomically(self.state_file, orjson.dumps(self.state.to_json()))
+        """Journal what changed since the last write (if there is a state file). Called under the lock,
+        before the response that confirms it is sent."""
+        state = self.state
+        if self.journal is not None and (state.changes or state.effects_journaled < len(state.effects)):
+            self.journal.append(delta(state.to_json(), state.changes, state.effects_journaled))
+            if self.journal.wants_compaction():
+                self.journal.compact(state.to_json())
+        state.changes = Changes()
+        state.effects_journaled = len(state.effects)
 
     # ---- faults ------------------------------------------------------------------------------
 
@@ -582,6 +594,7 @@ class OrdersService:
         graves = self.state.tombstones.setdefault(FORWARD_OF[op], {})
         if forward_key not in graves:
             graves[forward_key] = {"undo_key": undo_key, "highest_attempt": forward_attempt, "at": _now()}
+            self.state.changes.tombstones.add((FORWARD_OF[op], forward_key))
             self.persist()
 
     async def handle(self, op: Operation, request: Request) -> Response:
@@ -602,6 +615,8 @@ class OrdersService:
             self.in_flight -= 1
         async with self.lock:
             self.state.record_outcome(op, key, "disconnected" if status == CLIENT_GONE else str(status))
+        if self.journal is not None:
+            await self.journal.durable()  # whatever this answer rests on (its own lines, or others') is on disk
         return _json_response(status, body, headers)
 
     async def _handle_keyed(
@@ -610,6 +625,7 @@ class OrdersService:
         async with self.lock:
             _bump(self.state.requests, op, key)
             self.state.arrivals.setdefault(op, {}).setdefault(key, []).append({"attempt": attempt, "at": _now()})
+            self.state.changes.keyed.add((op, key))
         raw = await request.body()
         try:
             body = orjson.loads(raw)
@@ -629,6 +645,7 @@ class OrdersService:
             marks = self.state.highest_attempt.setdefault(op, {})
             if attempt > marks.get(key, -1):
                 marks[key] = attempt
+                self.state.changes.keyed.add((op, key))
                 self.persist()
             decision = self.decide_faults(op)
 
@@ -666,6 +683,7 @@ class OrdersService:
                 "at": at,
             }
             _bump(self.state.applied, op, key)
+            self.state.changes.keyed.add((op, key))
             self.state.effects.append(
                 {
                     "seq": len(self.state.effects) + 1,
@@ -723,7 +741,8 @@ class OrdersService:
         self.state = OrdersState()
         self.clear_faults(None)
         self.peak_in_flight = self.in_flight
-        self.persist()
+        if self.journal is not None:
+            self.journal.compact(self.state.to_json())
 
 
 def create_app(*, seed: int = 0, state_file: Path | None = None) -> FastAPI:
@@ -733,9 +752,12 @@ def create_app(*, seed: int = 0, state_file: Path | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
-        # Flush counters that were updated since the last effect write.
+        # Flush counters that were updated since the last effect write, and leave a snapshot alone.
         async with service.lock:
             service.persist()
+            if service.journal is not None:
+                service.journal.compact(service.state.to_json())
+                service.journal.close()
 
     app = FastAPI(title="stepstream orders service", version="1", lifespan=lifespan)
     app.state.service = service

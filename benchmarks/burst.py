@@ -29,10 +29,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import sqlite3
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -43,6 +43,7 @@ from typing import Any
 
 import httpx
 
+from eventstore.broker import free_port, run_kafka_tool
 from stepstream.local.up import wait_until_up
 
 STEPS_PER_TASK = 3
@@ -57,6 +58,20 @@ def _cpu_s(pid: int) -> float:
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def _thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds of each kind of thread of ``pid`` (names with their digits dropped): for the broker, how
+    much goes to handling requests and how much to the JVM's own compiler and collector threads."""
+    kinds: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            kind = re.sub(r"[-#]?\d+", "", (task / "comm").read_text().strip())
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        kinds[kind] = kinds.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / TICKS
+    return kinds
 
 
 def _name(pid: int) -> str:
@@ -107,6 +122,31 @@ def _broker_pid(home: Path) -> int | None:
             if isinstance(data, dict) and "pid" in data and "port" in data and _name(int(data["pid"])) == "broker":
                 return int(data["pid"])
     return None
+
+
+def _broker_jmx(pid: int) -> str | None:
+    """Start the broker's JMX agent on a free port (``jcmd``): its request counters tell what it spends on."""
+    port = free_port()
+    done = subprocess.run(["jcmd", str(pid), "ManagementAgent.start", f"jmxremote.port={port}",
+                           f"jmxremote.rmi.port={port}", "jmxremote.authenticate=false", "jmxremote.ssl=false"],
+                          capture_output=True, text=True, check=False)
+    return f"service:jmx:rmi:///jndi/rmi://127.0.0.1:{port}/jmxrmi" if done.returncode == 0 else None
+
+
+def _broker_requests(jmx_url: str | None) -> dict[str, int]:
+    """Requests the broker handled so far, by type (its ``RequestsPerSec`` counters, all versions summed)."""
+    if jmx_url is None:
+        return {}
+    try:
+        out = run_kafka_tool("org.apache.kafka.tools.JmxTool", "--jmx-url", jmx_url, "--object-name",
+                             "kafka.network:type=RequestMetrics,name=RequestsPerSec,request=*,version=*",
+                             "--attributes", "Count", "--one-time", "true", "--report-format", "properties")
+    except Exception:  # reported as missing figures, the run goes on
+        return {}
+    counts: dict[str, int] = {}
+    for request, count in re.findall(r"request=(\w+),version=\d+:Count=(\d+)", out):
+        counts[request] = counts.get(request, 0) + int(count)
+    return counts
 
 
 def _profile(pids: dict[int, str], seconds: int, out: Path) -> dict[str, list[str]]:
@@ -172,6 +212,9 @@ def run_burst(tasks: int, latency_ms: int, timeout_s: float, profile_s: int, wor
         if broker is not None:
             pids[broker] = "broker"
         pids[os.getpid()] = "client (this process)"
+        jmx = _broker_jmx(broker) if broker is not None else None
+        requests0 = _broker_requests(jmx)
+        threads0 = _thread_cpu_s(broker) if broker is not None else {}
         cpu0 = {pid: _cpu_s(pid) for pid in pids}
         run = uuid.uuid4().hex[:8]
         started = time.monotonic()
@@ -197,6 +240,12 @@ def run_burst(tasks: int, latency_ms: int, timeout_s: float, profile_s: int, wor
             time.sleep(0.5)
         elapsed = time.monotonic() - started
         cpu = {pids[pid]: _cpu_s(pid) - before for pid, before in cpu0.items()}
+        requests = _broker_requests(jmx)
+        threads = _thread_cpu_s(broker) if broker is not None else {}
+        broker_threads = {kind: round(1000 * (s - threads0.get(kind, 0.0)) / tasks, 2) for kind, s in threads.items()
+                          if s - threads0.get(kind, 0.0) >= 0.01 * tasks / 1000}
+        per_task = {name: round((n - requests0.get(name, 0)) / tasks, 2) for name, n in requests.items()
+                    if n - requests0.get(name, 0) >= tasks / 100}
         completed = counts.get("tasks", {}).get("completed", 0)
         latencies = _latencies(home / "state.db")
         result.update({
@@ -207,6 +256,8 @@ def run_burst(tasks: int, latency_ms: int, timeout_s: float, profile_s: int, wor
             "cpu_ms_per_task": {name: round(1000 * s / tasks, 2) for name, s in sorted(cpu.items())},
             "cpu_ms_per_task_total": round(1000 * sum(cpu.values()) / tasks, 2),
             "load_after": os.getloadavg()[0],
+            "broker_requests_per_task": dict(sorted(per_task.items(), key=lambda kv: -kv[1])),
+            "broker_cpu_ms_per_task_by_thread": dict(sorted(broker_threads.items(), key=lambda kv: -kv[1])),
         })
         if tops:
             result["profile"] = tops

@@ -224,7 +224,7 @@ class LocalBroker:
             self._format(classpath)
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         jvm = [
-            "java", "-Xms256m", "-Xmx768m", "-XX:+UseG1GC", "-Djava.awt.headless=true",
+            "java", "-Xms256m", "-Xmx768m", "-XX:+UseG1GC", "-XX:TieredStopAtLevel=1", "-Djava.awt.headless=true",
             f"-Dlog4j2.configurationFile={self.root / 'log4j2.properties'}",
             f"-Dkafka.logs.dir={self.log_file.parent}",
             "-cp", classpath, "kafka.Kafka", str(self._properties),

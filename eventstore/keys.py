@@ -23,16 +23,20 @@ from __future__ import annotations
 
 import secrets
 import threading
+import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from confluent_kafka import Producer
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
+from confluent_kafka import Message as KafkaMessage
 
-from eventstore.errors import InfrastructureError
+from eventstore.errors import InfrastructureError, LogReadError
+from eventstore.kafka_config import connection_config, consume_available
 from eventstore.partitioning import partition_of
 from eventstore.producer import EventProducer
-from eventstore.replay import LogRange
+from eventstore.replay import LogRange, watermarks
+from eventstore.topics import reader_group
 from schemas.messages import SubmitTask
 from schemas.sealed import Keyring
 
@@ -121,22 +125,106 @@ def roll(producer: EventProducer, topic: str, partitions: int) -> None:
         producer.send_raw(topic, ROLL_RECORD, None, [ROLL], partition=partition)
 
 
+class KeyFollower:
+    """Partitions of ``keys`` followed by one long-lived consumer: a lookup reads only what was appended since
+    the last one, over connections already open.
+
+    A read with a consumer made for each lookup (``LogRange``) took about 550 ms here even with nothing new
+    to read (a connection, metadata, offsets, a first fetch, a close): an agent paid it for each task whose
+    sealed input it opened (most of a lone order's time) and the scheduler for each batch of new submissions
+    on a partition, stalling that partition meanwhile. The consumer is made at the first read, so an object
+    that never needs to read never connects. Where the partitions end is asked by a second consumer that
+    never fetches: the broker answers a connection's requests in order, and the follower's own connection
+    usually holds a fetch waiting for new records (``fetch.wait.max.ms``), which held each such question up
+    to 500 ms.
+    """
+
+    def __init__(self, bootstrap: str, topic: str, starts: Mapping[int, int] | None, *, committed_only: bool,
+                 partitions: Iterable[int] | None = None) -> None:
+        self.bootstrap = bootstrap
+        self.topic = topic
+        self.committed_only = committed_only
+        self._starts = dict(starts or {})
+        self._partitions = None if partitions is None else sorted(partitions)
+        self._consumer: Consumer | None = None
+        self._ends: Consumer | None = None  # asks where partitions end; never fetches
+        self._reached: dict[int, int] = {}  # per partition: the offset the reading has reached
+
+    def _follow(self) -> Consumer:
+        if self._consumer is None:
+            consumer = Consumer({
+                **connection_config(self.bootstrap),
+                "group.id": reader_group("keys"),
+                "enable.auto.commit": False,
+                "enable.partition.eof": True,
+                "isolation.level": "read_committed" if self.committed_only else "read_uncommitted",
+                # A lookup waits for the fetch in flight when what it needs came after it: at most this long
+                # (default 500 ms), for ten fetches a second from an idle follower.
+                "fetch.wait.max.ms": 100,
+            })
+            if self._partitions is None:
+                metadata = consumer.list_topics(self.topic, timeout=30).topics[self.topic]
+                if metadata.error is not None or not metadata.partitions:
+                    consumer.close()
+                    raise LogReadError(f"cannot read {self.topic}: {metadata.error}")
+                self._partitions = sorted(metadata.partitions)
+            consumer.assign([TopicPartition(self.topic, p, self._starts.get(p, OFFSET_BEGINNING))
+                             for p in self._partitions])
+            self._consumer = consumer
+            self._ends = Consumer({**connection_config(self.bootstrap), "group.id": reader_group("keys-ends"),
+                                   "enable.auto.commit": False})
+        return self._consumer
+
+    def read_on(self, partitions: Iterable[int] | None, done: Callable[[], bool],
+                timeout_s: float = 30.0) -> Iterator[KafkaMessage]:
+        """The followed partitions' records from where the last read stopped, until ``done()`` holds or each
+        of ``partitions`` (None: all followed) reached the end it had when this read began."""
+        consumer = self._follow()
+        wanted = self._partitions if partitions is None else sorted(partitions)
+        assert wanted is not None and self._ends is not None
+        targets = {p: watermarks(self._ends, TopicPartition(self.topic, p))[1] for p in wanted}
+        deadline = time.monotonic() + timeout_s
+        while not done() and any(self._reached.get(p, -1) < end for p, end in targets.items()):
+            if time.monotonic() > deadline:
+                raise LogReadError(f"{self.topic}: not read to its end within {timeout_s:g}s "
+                                   f"(reached {self._reached}, end {targets})")
+            for msg in consume_available(consumer, 1000, 0.1):
+                error = msg.error()
+                if error is not None:
+                    if error.code() != KafkaError._PARTITION_EOF:
+                        raise LogReadError(f"reading {self.topic}[{msg.partition()}] failed: {error}")
+                    self._reached[msg.partition()] = max(self._reached.get(msg.partition(), -1), msg.offset())
+                    continue
+                self._reached[msg.partition()] = max(self._reached.get(msg.partition(), -1), msg.offset() + 1)
+                yield msg
+
+    def close(self) -> None:
+        for consumer in (self._consumer, self._ends):
+            if consumer is not None:
+                consumer.close()
+        self._consumer = self._ends = None
+
+
 class DataKeys:
     """Wrapped data keys by task id, followed from the topic as far as a lookup needed."""
 
     def __init__(self, bootstrap: str, topic: str) -> None:
-        self.bootstrap = bootstrap
-        self.topic = topic
+        self._follower = KeyFollower(bootstrap, topic, None, committed_only=True)
         self._wrapped: dict[str, str | None] = {}
-        self._next: dict[int, int] = {}
         self._lock = threading.Lock()
 
     def wrapped(self, task_id: str) -> str | None:
         """The task's wrapped data key; None when it was erased or never written."""
         with self._lock:
             if task_id not in self._wrapped:
-                self._wrapped.update(read_keys(self.bootstrap, self.topic, self._next))
+                for msg in self._follower.read_on(None, lambda: task_id in self._wrapped):
+                    key, value = msg.key(), msg.value()
+                    if key is not None and not {ROLL, PROPOSED} & set(msg.headers() or []):
+                        self._wrapped[key.decode()] = None if value is None else value.decode()
             return self._wrapped.get(task_id)
+
+    def close(self) -> None:
+        self._follower.close()
 
 
 class Proposals:
@@ -153,18 +241,14 @@ class Proposals:
 
     def __init__(self, bootstrap: str, topic: str, partition: int, starts: dict[int, int],
                  pending: dict[str, str | None]) -> None:
-        self.bootstrap = bootstrap
-        self.topic = topic
         self.partition = partition
-        self._starts = starts
+        self._follower = KeyFollower(bootstrap, topic, starts, committed_only=False, partitions=[partition])
         self._pending = {record: wrapped for record, wrapped in pending.items() if wrapped is not None}
 
     def wrapped(self, record: str) -> str | None:
         """The wrapped key proposed under ``record``; None when it is not (or no longer) on the partition."""
         if record not in self._pending:
-            for msg in LogRange(self.bootstrap, self.topic, partitions=[self.partition], starts=self._starts,
-                                committed_only=False):
-                self._starts[msg.partition()] = msg.offset() + 1
+            for msg in self._follower.read_on([self.partition], lambda: record in self._pending):
                 key, value = msg.key(), msg.value()
                 if key is not None and value is not None and PROPOSED in (msg.headers() or []):
                     self._pending[key.decode()] = value.decode()
@@ -173,6 +257,9 @@ class Proposals:
     def taken(self, record: str) -> None:
         """The submission of ``record`` was handled and committed, with the proposal's tombstone."""
         self._pending.pop(record, None)
+
+    def close(self) -> None:
+        self._follower.close()
 
     def __len__(self) -> int:
         return len(self._pending)

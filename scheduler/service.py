@@ -573,7 +573,9 @@ class Scheduler:
                     tasks.close()
                 self._keys.pop(tp.partition, None)
                 self._stale.pop(tp.partition, None)
-                self._proposals.pop(tp.partition, None)
+                proposals = self._proposals.pop(tp.partition, None)
+                if proposals is not None:
+                    proposals.close()
                 self._live.pop(tp.partition, None)
                 self._quarantined.pop(tp.partition, None)
                 self._unsaved.pop(tp.partition, None)

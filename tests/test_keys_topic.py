@@ -6,10 +6,12 @@ from __future__ import annotations
 import time
 import uuid
 
+import confluent_kafka
 import pytest
 from confluent_kafka.admin import AdminClient
 
-from eventstore.keys import PROPOSED, Proposals, key_report, proposal_record, read_key_records, roll
+from eventstore import keys as keys_module
+from eventstore.keys import PROPOSED, DataKeys, Proposals, key_report, proposal_record, read_key_records, roll
 from eventstore.partitioning import partition_of
 from eventstore.producer import EventProducer
 from eventstore.replay import LogRange
@@ -101,3 +103,32 @@ def test_an_erased_key_is_physically_gone_from_keys_once_the_compaction_window_p
     assert b"k1:wrapped-kept-key" in raw_values(bootstrap, layout.keys), "a live key stays"
     assert read_key_records(bootstrap, layout.keys, {}).tasks == {"erased": None, "kept": "k1:wrapped-kept-key"}, \
         "the tombstone (no key in it) stays a day, so a late reader learns of the erasure; a marker is no task's key"
+
+
+def test_looking_up_each_new_tasks_key_reads_on_with_the_same_consumers(bootstrap: str, layout: TopicLayout,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Counted, not timed: a lookup per new task (an agent opening each task's sealed input, the scheduler
+    taking each submission's proposal) reads on with the consumers made at the first one, however many
+    tasks came before; a consumer made per lookup cost about 550 ms each."""
+    made: list[object] = []
+    real = confluent_kafka.Consumer
+
+    def counting(config: dict[str, object]) -> object:
+        made.append(config["group.id"])
+        return real(config)
+
+    monkeypatch.setattr(keys_module, "Consumer", counting)
+    keys, proposals = DataKeys(bootstrap, layout.keys), Proposals(bootstrap, layout.keys, 0, {}, {})
+    writer = EventProducer(bootstrap)
+    for i in range(30):
+        task = f"task-{i}-{uuid.uuid4().hex[:6]}"
+        writer.send_raw(layout.keys, task, f"k1:{i}".encode(), partition=partition_of(task, layout.partitions))
+        writer.send_raw(layout.keys, proposal_record(task, "r"), f"k1:p{i}".encode(), [PROPOSED], partition=0)
+        writer.flush()
+        assert keys.wrapped(task) == f"k1:{i}"
+        assert proposals.wrapped(proposal_record(task, "r")) == f"k1:p{i}"
+    assert keys.wrapped("never-written") is None
+
+    assert len(made) == 4, made  # per reader: the follower and the one asking where partitions end
+    keys.close()
+    proposals.close()

@@ -105,6 +105,10 @@ class SubmissionKeys:
         first (acknowledged) and taken off."""
         return self._proposer.publish(commands)
 
+    def close(self) -> None:
+        self._keys.close()
+        self._proposer.close()
+
 
 class Client:
     """One producer and, if a submitter name is given, that submitter's private reply topic.
@@ -257,6 +261,8 @@ class Client:
 
     def close(self) -> None:
         self._producer.flush()
+        if "sealing" in self.__dict__:  # made (cached_property) only by a submission
+            self.sealing.close()
         if self._store is not None:
             self._store.close()
 

@@ -295,6 +295,14 @@ def test_another_projects_workflow_and_a_read_pass_but_a_bad_stepstream_command_
         _check_command("rm -rf .stepstream")
 
 
+def test_the_submission_example_of_the_openapi_description_is_valid_input() -> None:
+    examples = SubmissionRequest.model_json_schema()["examples"]
+    for example in examples:
+        submission = SubmissionRequest.model_validate(example)
+        _check_input(submission.workflow, submission.version, submission.input)
+    assert examples
+
+
 def test_stepstream_without_a_command_lists_every_command_and_exits_2() -> None:
     done = subprocess.run([sys.executable, "-m", "stepstream"], capture_output=True, text=True, timeout=60,
                           check=False, cwd=ROOT)

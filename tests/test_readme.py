@@ -199,6 +199,11 @@ def test_the_readme_opens_with_make_demo_and_make_test_and_stays_short() -> None
     assert "make demo" in opening and "make test" in opening
 
 
+def test_the_readme_links_every_page_of_docs() -> None:
+    linked = set(re.findall(r"\]\((docs/[\w-]+\.md)\)", (ROOT / "README.md").read_text()))
+    assert {_name(page) for page in PAGES[1:]} <= linked and "docs/design.md" in linked
+
+
 def test_the_pages_hold_every_kind_of_block_this_test_checks() -> None:
     languages = {found for page in PAGES for found, _ in FENCE.findall(page.read_text())}
     assert languages == CHECKED_LANGUAGES

@@ -18,8 +18,8 @@ Escalation = Literal["error", "compensate", "backoff"]
 DEFAULT_QUEUE_TIMEOUT_S = 300.0
 """How long an attempt's request may wait for an agent to take it (schedule-to-start). Generous: a wait
 is not a failure, and a request nobody takes for five minutes means the agents are down or far behind
-(admission control keeps a burst's wait well below it; see the README), which the supervisor then
-surfaces as a timed-out attempt."""
+(admission control keeps a burst's wait well below it; see docs/operations.md, "Admission bounds"), which
+the supervisor then surfaces as a timed-out attempt."""
 
 
 class WorkflowNotFoundError(LookupError):
@@ -71,7 +71,7 @@ class Compensation:
     starts again, its call budget does not), up to that many rounds, and only then fails.
 
     ``forward_may_land_s`` is for a service that cannot refuse a forward call after its undo (it keeps no
-    tombstones, see the README's contract): a forward call may still land up to this long after its
+    tombstones, see the contract in docs/user-guide.md): a forward call may still land up to this long after its
     attempt's latest end (say, the agent's call timeout), so the undo waits until then -- the last forward
     attempt can then no longer apply anything behind it. None (the default): the service fences the forward
     key on the undo, which then runs at once.

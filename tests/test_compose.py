@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
+import yaml  # type: ignore[import-untyped]
 from pydantic_settings import BaseSettings
 
 from agents.settings import AgentSettings

@@ -13,7 +13,7 @@ up`` does; the test prints how often that happened.
 
 It is a soak run, outside ``make test`` (twenty processes and three brokers took 105-140 s of the suite's
 15 minutes on two cores): ``make soak`` runs it. ``STEPSTREAM_SOAK_TASKS`` sets the number of tasks (``make
-soak`` 40); the README's "Soak runs" records a run with 2,000 and the default's pass counts and durations.
+soak`` 40); BENCHMARKS.md's "Test and soak runs" records a run with 2,000 and the default's pass counts and durations.
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ class SubmissionRequest(BaseModel):
     """A task to run. ``task_id`` is the idempotency key: send the same one again to retry safely."""
 
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
-        {"workflow": "orders", "input": {"order_id": "o-1", "sku": "A-1", "qty": 1, "amount": 10},
+        {"workflow": "orders", "input": {"order_id": "o-1", "sku": "A-1", "qty": 1, "amount": 10,
+                                         "card_token": "tok_4242"},
          "task_id": "order-o-1"}]})
 
     workflow: str = Field(min_length=1, max_length=200)

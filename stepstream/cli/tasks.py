@@ -28,7 +28,7 @@ import orjson
 from pydantic import ValidationError
 
 from projections.rows import EPOCH, exact_ms
-from scheduler.settings import SchedulerSettings
+from scheduler.settings import SchedulerSettings, WorkflowsUnloadable
 from schemas.states import TaskStatus
 from stepstream.client import Client, InvalidSubmission, SubmissionContradicts, SubmissionRejected, TaskWaitTimeout
 
@@ -88,7 +88,7 @@ def _workflows_help() -> str:
     """The workflows this deployment runs and their inputs (the registry STEPSTREAM_SCHEDULER_WORKFLOWS names)."""
     try:
         lines = SchedulerSettings().load_registry().describe_inputs()
-    except (ValidationError, ImportError, AttributeError, TypeError) as exc:  # every command builds this parser:
+    except (ValidationError, WorkflowsUnloadable) as exc:  # every command builds this parser:
         return f"workflows: cannot load STEPSTREAM_SCHEDULER_WORKFLOWS: {exc}"  # say what is wrong, do not fail
     return "workflows and their --input:\n" + "\n".join(f"  {line}" for line in lines)
 

@@ -59,7 +59,7 @@ def add_parsers(commands: Any) -> None:
     submit.add_argument("--json", action="store_true", help="machine-readable output")
     submit.set_defaults(func=_submit)
 
-    status = commands.add_parser("status", help="show a task and its steps")
+    status = commands.add_parser("status", help="show a task and its steps (and which wait on an agent nobody runs)")
     status.add_argument("task_id")
     status.add_argument("--json", action="store_true")
     status.set_defaults(func=_status)
@@ -135,9 +135,27 @@ def _print(task: dict[str, Any], as_json: bool) -> None:
         return
     print(f"{task['task_id']}: {task['status']} ({task['workflow']} v{task['workflow_version']})"
           + (f" — {task['error']}" if task.get("error") else ""))
+    unattended = {entry["step"]: entry["reason"] for entry in task.get("unattended") or []}
     for step in task.get("steps", []):
+        notes = [note for note in (step.get("error"), unattended.get(step["step"])) if note]
         print(f"  {step['step']}: {step['status']}, attempt {step['attempt']}, failures {step['failure_count']}"
-              + (f" — {step['error']}" if step.get("error") else ""))
+              + "".join(f" — {note}" for note in notes))
+
+
+def _unattended(task: dict[str, Any]) -> list[dict[str, str]]:
+    """Its steps in progress whose agent has no process running (``stepstream.presence``); none when the
+    broker does not answer within a few seconds: status still answers from the store."""
+    from eventstore.settings import KafkaSettings
+    from eventstore.topics import TopicLayout
+    from stepstream.presence import Presence
+
+    try:
+        kafka = KafkaSettings()
+        presence = Presence.of(SchedulerSettings().load_registry(), kafka.resolved_bootstrap(),
+                               TopicLayout.from_settings(kafka), timeout_s=3.0)
+        return presence.unattended(task)
+    except Exception:  # no broker, or workflows that do not load: the store's answer stands alone
+        return []
 
 
 def _submit(args: argparse.Namespace) -> int:
@@ -177,7 +195,7 @@ def _status(args: argparse.Namespace) -> int:
     if task is None:
         print(f"stepstream status: no task {args.task_id!r} in the state store", file=sys.stderr)
         return EXIT_NOT_FOUND
-    _print(task, args.json)
+    _print({**task, "unattended": _unattended(task)}, args.json)
     return 0
 
 

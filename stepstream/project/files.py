@@ -109,10 +109,11 @@ def parse(text: str, where: str) -> Project:
         return Project.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
-        field = ".".join(str(part) for part in first["loc"]) or "(the file)"
+        loc = ".".join(str(part) for part in first["loc"])
+        field = f"{loc}: " if loc else ""  # a check across fields names them in its message
         message = first["msg"].removeprefix("Value error, ")
         more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-        raise ProjectRefused(f"{where}: {field}: {message}{more}") from None
+        raise ProjectRefused(f"{where}: {field}{message}{more}") from None
 
 
 def activate(project: LoadedProject) -> None:

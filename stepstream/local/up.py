@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import threading
@@ -139,7 +140,11 @@ def run_up(service_port: int | None = None) -> int:
         gave_up = _supervise(stop, procs, RestartPolicy(RestartSettings()),
                              lambda: _write_state(home, state, procs), console)
     finally:
-        codes = procs.terminate_all(last=[started.process for started in planned])
+        own_processes = [started.process for started in planned]
+        codes = procs.terminate_all(last=own_processes)
+        # A project's own service that ends by the SIGTERM up sent stopped as asked: a plain `uvicorn.run`
+        # re-raises the signal after its graceful shutdown, which is not a failure to report.
+        codes |= {name: 0 for name in own_processes if codes.get(name) == -signal.SIGTERM}
         up_state_file(home).unlink(missing_ok=True)
     console.print("stopped: " + ", ".join(f"{name} exit {code}" for name, code in codes.items()), highlight=False)
     return 0 if gave_up is None and all(code == 0 for code in codes.values()) else 1

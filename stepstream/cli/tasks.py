@@ -40,6 +40,7 @@ EXIT_INVALID, EXIT_NOT_FOUND, EXIT_NOT_COMPLETED, EXIT_REJECTED, EXIT_CONTRADICT
 # The task states, as ``/api/tasks?state=`` accepts them and in its order.
 TASK_STATES: tuple[str, ...] = tuple(status.value for status in TaskStatus)  # plain: argparse shows their repr
 ERROR_WIDTH = 60
+AGENTS_CHECK_S = 2.0  # how long status waits for the broker to say which agents run, before answering without
 
 
 def add_parsers(commands: Any) -> None:
@@ -145,14 +146,17 @@ def _print(task: dict[str, Any], as_json: bool) -> None:
 def _unattended(task: dict[str, Any]) -> list[dict[str, str]]:
     """Its steps in progress whose agent has no process running (``stepstream.presence``); none when the
     broker does not answer within a few seconds: status still answers from the store."""
+    from eventstore.kafka_config import check_reachable
     from eventstore.settings import KafkaSettings
     from eventstore.topics import TopicLayout
     from stepstream.presence import Presence
 
     try:
         kafka = KafkaSettings()
-        presence = Presence.of(SchedulerSettings().load_registry(), kafka.resolved_bootstrap(),
-                               TopicLayout.from_settings(kafka), timeout_s=3.0)
+        bootstrap = kafka.resolved_bootstrap()
+        check_reachable(bootstrap, AGENTS_CHECK_S, "agents check")  # quiet: librdkafka would log each refusal
+        presence = Presence.of(SchedulerSettings().load_registry(), bootstrap, TopicLayout.from_settings(kafka),
+                               timeout_s=AGENTS_CHECK_S)
         return presence.unattended(task)
     except Exception:  # no broker, or workflows that do not load: the store's answer stands alone
         return []

@@ -86,6 +86,8 @@ def test_the_project_file_is_found_in_the_working_folder_or_where_stepstream_pro
     ('[project]\nworkflows = "w:R"\n[agents.a]\nurl = "http://x"\nmethod = "GET"\n',
      "f.toml: agents.a.method: Input should be 'POST', 'PUT', 'PATCH' or 'DELETE'"),
     ('[agents.a]\nurl = "http://x"\n', "f.toml: project: Field required"),
+    ('[project]\nworkflows = "w:R"\n[services.s]\nurl = "http://x"\ncommand = ["run", "{prot}"]\n',
+     "f.toml: services.s.command: '{prot}': only {python}, {port}, {home}, {project} may be in braces"),
     ('[project\n', "f.toml: not valid TOML: "),
 ])
 def test_a_wrong_project_file_is_refused_in_one_line_naming_the_field(toml: str, says: str) -> None:

@@ -39,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 IMPORT_PATH = r"^[\w.]+:\w+$"
 NAME = r"^[A-Za-z0-9][A-Za-z0-9_-]*$"  # an agent's name is part of a topic's name
+PLACEHOLDERS = ("python", "port", "home", "project")  # what a service's command may name (``up`` fills them)
 
 
 class _Table(BaseModel):
@@ -74,6 +75,17 @@ class ServiceDecl(_Table):
     @classmethod
     def _url(cls, url: str) -> str:
         return _http_url(url)
+
+    @field_validator("command")
+    @classmethod
+    def _placeholders(cls, command: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        for part in command or ():
+            try:
+                part.format(**dict.fromkeys(PLACEHOLDERS, ""))
+            except (KeyError, IndexError, ValueError) as exc:
+                raise ValueError(f"{part!r}: only {', '.join('{' + p + '}' for p in PLACEHOLDERS)} may be in braces "
+                                 f"({exc!r}); a brace of its own is doubled, {{{{ or }}}}") from None
+        return command
 
     @property
     def port(self) -> int:

@@ -5,19 +5,26 @@ fix, never a traceback. Nothing here needs a broker: each refusal comes before a
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any, ClassVar
 
 import pytest
 
 from agents.policy import StaticPolicy
 from agents.retry import RetryPolicy
-from agents.runtime import Agent
+from agents.runtime import Agent, Call, TransientError
 from scheduler.settings import SchedulerSettings
+from schemas.messages import AgentRequest
 from stepstream.project.agents import AgentUnbuildable, declared_agent
-from stepstream.project.files import ProjectRefused, UnknownAgent, find_project, load_project, parse
+from stepstream.project.files import LoadedProject, ProjectRefused, UnknownAgent, find_project, load_project, parse
 from stepstream.project.model import AgentDecl
 
 ROOT = Path(__file__).parent.parent
@@ -160,3 +167,60 @@ def _env(tmp_path: Path) -> dict[str, str]:
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("STEPSTREAM_")}
     return {**env, "STEPSTREAM_HOME": str(tmp_path / "home")}
+
+
+class _Recorder(BaseHTTPRequestHandler):
+    """A real HTTP endpoint that records what it was sent; ``/slow`` answers after a second."""
+
+    seen: ClassVar[list[dict[str, Any]]] = []
+
+    def _answer(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.seen.append({"method": self.command, "path": self.path, "headers": dict(self.headers),
+                          "body": json.loads(body or b"null")})
+        if self.path.endswith("/slow"):
+            time.sleep(1.0)
+            return  # the caller gave up already
+        answer = b'{"booked": "yes"}'
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(answer)))
+        self.end_headers()
+        self.wfile.write(answer)
+
+    do_PUT = do_POST = _answer
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def recorder() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    _Recorder.seen.clear()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_an_http_agent_sends_its_method_and_headers_with_the_key_and_attempt_and_caps_each_call(recorder: str) -> None:
+    project = LoadedProject(parse(
+        f'[project]\nworkflows = "w:R"\n[services.rooms]\nurl = "{recorder}/v1"\n'
+        '[agents.rooms]\nservice = "rooms"\npath = "/book"\nmethod = "PUT"\nheaders = { "X-Client" = "travel" }\n'
+        '[agents.slow]\nservice = "rooms"\npath = "/slow"\ntimeout_s = 0.3\n', "f.toml"), None)
+    policy = StaticPolicy(RetryPolicy())
+    request = AgentRequest(task_id="t-1", step="hotel", attempt=2, attempt_id="t-1:hotel:2",
+                           idempotency_key="t-1:hotel", complete_by=datetime.now(UTC) + timedelta(seconds=30),
+                           calls_allowed=3, input={"task": {"trip_id": "t-1"}})
+    rooms = declared_agent(project, "rooms", policy, threading.Event(), connections=1)
+    assert rooms.dependency == "rooms" and rooms.handler(Call(request, timeout_s=10.0)) == {"booked": "yes"}
+    sent = _Recorder.seen[0]
+    assert (sent["method"], sent["path"], sent["body"]) == ("PUT", "/v1/book", {"trip_id": "t-1"})
+    assert {k: sent["headers"][k] for k in ("X-Client", "Idempotency-Key", "X-Attempt")} == {
+        "X-Client": "travel", "Idempotency-Key": "t-1:hotel", "X-Attempt": "2"}
+    slow = declared_agent(project, "slow", policy, threading.Event(), connections=1)
+    with pytest.raises(TransientError, match=r"/slow: timed out after 0\.3s"):
+        slow.handler(Call(request, timeout_s=10.0))

@@ -3,5 +3,5 @@
 ``runtime`` (the attempt loop), ``faults`` (transient vs permanent), ``retry`` (back-off maths),
 ``budget`` (retries per dependency per window), ``breaker`` (circuit breaker per dependency),
 ``dependencies`` (their shared per-process state), ``policy`` (the central, hot-reloaded configuration),
-``http`` (a handler that POSTs a request to a service). The demo's agents are in ``demo.order_agents``.
+``http`` (a handler that sends a request to a service). A project declares its agents in ``stepstream.toml``.
 """

@@ -8,6 +8,7 @@ HTTP date) is passed on. The classification itself lives in :mod:`agents.faults`
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import httpx
@@ -48,17 +49,22 @@ def pooled_client(connections: int) -> httpx.Client:
     return httpx.Client(limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections))
 
 
-def http_post_handler(base_url: str, path: str, client: httpx.Client | None = None) -> AgentHandler:
-    """A handler that POSTs the step's data to ``base_url/path`` with the idempotency key and attempt."""
+def http_handler(base_url: str, path: str, client: httpx.Client | None = None, *, method: str = "POST",
+                 headers: Mapping[str, str] | None = None, max_timeout_s: float | None = None) -> AgentHandler:
+    """A handler that sends the step's data to ``base_url/path`` (``method``, POST by default) with the
+    idempotency key and attempt, plus ``headers`` of its own; each call's timeout is the time the attempt
+    has left, capped at ``max_timeout_s``."""
     http = client or httpx.Client()
     url = f"{base_url.rstrip('/')}/{path.lstrip('/')}"
+    fixed = dict(headers or {})
 
     def call(request: Call) -> dict[str, Any]:
+        timeout = request.timeout_s if max_timeout_s is None else min(request.timeout_s, max_timeout_s)
         try:
-            response = http.post(url, json=request_body(request.request.input), headers=request_headers(request),
-                                 timeout=request.timeout_s)
+            response = http.request(method, url, json=request_body(request.request.input),
+                                    headers={**fixed, **request_headers(request)}, timeout=timeout)
         except httpx.TimeoutException as exc:
-            raise TransientError(f"{path}: timed out after {request.timeout_s:.1f}s", kind="timeout") from exc
+            raise TransientError(f"{path}: timed out after {timeout:.1f}s", kind="timeout") from exc
         except httpx.TransportError as exc:
             raise TransientError(f"{path}: {type(exc).__name__}: {exc}", kind="connection") from exc
         fault = classify_response(response, what=path)

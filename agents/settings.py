@@ -19,7 +19,8 @@ from agents.retry import RetryPolicy
 class AgentSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="STEPSTREAM_AGENT_", frozen=True, extra="ignore")
 
-    service_url: str = Field(default="http://127.0.0.1:8765", description="the order service the demo's agents call")
+    service_url: str | None = Field(default=None, description="the base URL an HTTP agent calls, over the one its "
+                                    "project declares (`stepstream up` sets it to where it started the service)")
     call_timeout_s: float = Field(default=10.0, gt=0)
     initial_backoff_s: float = Field(default=0.1, gt=0)
     max_backoff_s: float = Field(default=5.0, gt=0)

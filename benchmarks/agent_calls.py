@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 import orjson
 
-from agents.http import http_post_handler, pooled_client, request_body
+from agents.http import http_handler, pooled_client, request_body
 from agents.runtime import Agent
 from demo.orders_client import ServiceProcess
 from eventstore.logs import configure_logging
@@ -60,7 +60,7 @@ def measured(work: Callable[[], int]) -> dict[str, float]:
 
 def with_threads(url: str, batch: list[AgentRequest], concurrency: int, agent: bool) -> int:
     client = pooled_client(concurrency)
-    handler = http_post_handler(url, PATH, client)
+    handler = http_handler(url, PATH, client)
     worker = Agent("inventory", handler, dependency=f"bench-{uuid.uuid4().hex[:6]}")
 
     def raw(request: AgentRequest) -> bool:

@@ -75,6 +75,13 @@ def run_demo(tasks: int = 20, timeout_s: float = 180.0) -> int:
                       highlight=False)
 
 
+def _orders_url(state: dict[str, object]) -> str:
+    """Where ``up`` started the order service (the built-in configuration's service ``orders``)."""
+    services = state["services"]
+    assert isinstance(services, dict)
+    return str(services["orders"])
+
+
 def _submit(console: Console, kafka: KafkaSettings, orders: list[SubmitTask], api_url: str, token: str) -> None:
     """Half the orders with the Python client, half over HTTP (each answered with the scheduler's decision),
     and the first HTTP one again: a repeat, answered 200, that runs once. The client seals each card token
@@ -96,7 +103,7 @@ def _submit(console: Console, kafka: KafkaSettings, orders: list[SubmitTask], ap
 
 def _run(console: Console, kafka: KafkaSettings, home: Path, state: dict[str, object], tasks: int,
          timeout_s: float, token: str) -> int:
-    bootstrap, service_url, api_url = str(state["bootstrap"]), str(state["service_url"]), str(state["api_url"])
+    bootstrap, service_url, api_url = str(state["bootstrap"]), _orders_url(state), str(state["api_url"])
     console.print(f"up: kafka {bootstrap}, order service {service_url}, API and dashboard {api_url}",
                   highlight=False)
     with OrdersAdmin(service_url) as admin:

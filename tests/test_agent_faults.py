@@ -22,7 +22,7 @@ from structlog.testing import capture_logs
 
 from agents.breaker import BreakerPolicy
 from agents.budget import BudgetPolicy
-from agents.http import http_post_handler
+from agents.http import http_handler
 from agents.policy import DependencyPolicy, FilePolicy
 from agents.retry import RetryPolicy
 from agents.runtime import Agent, AgentHandler, AttemptAbandoned, Call, TransientError
@@ -100,7 +100,7 @@ def request(*, calls_allowed: int = 10, deadline_s: float = 10.0) -> AgentReques
 
 def agent(service: ServiceProcess, policy: DependencyPolicy | FilePolicy, *, handler: AgentHandler | None = None,
           sleep: Sleeps | None = None, dep: str | None = None) -> Agent:
-    return Agent("inventory", handler or http_post_handler(service.base_url, OP), policy,
+    return Agent("inventory", handler or http_handler(service.base_url, OP), policy,
                  dependency=dep or dependency(), sleep=sleep)
 
 
@@ -121,7 +121,7 @@ def test_a_service_failing_twice_then_answering_succeeds_on_the_third_call_after
 ) -> None:
     admin.set_faults(OP, fail_next=2)
     sleeps = Sleeps()
-    timed = CallTimes(http_post_handler(service.base_url, OP))
+    timed = CallTimes(http_handler(service.base_url, OP))
     policy = unguarded(RetryPolicy(initial_backoff_s=0.1, max_backoff_s=2.0, jitter=0.5))
     worker = agent(service, policy, handler=timed, sleep=sleeps)
     req = request()
@@ -162,7 +162,7 @@ def test_a_429_with_retry_after_makes_the_next_call_wait_at_least_that_long(
     service: ServiceProcess, admin: OrdersAdmin,
 ) -> None:
     admin.set_faults(OP, throttle_rate=1.0, retry_after_s=1)
-    timed = CallTimes(http_post_handler(service.base_url, OP), after_call={1: lambda: admin.clear_faults(OP)})
+    timed = CallTimes(http_handler(service.base_url, OP), after_call={1: lambda: admin.clear_faults(OP)})
     sleeps = Sleeps()
     # The computed back-off would be at most 20 ms: only Retry-After explains a wait of a second.
     policy = unguarded(RetryPolicy(initial_backoff_s=0.01, max_backoff_s=0.02))
@@ -225,7 +225,7 @@ def test_every_call_times_out_and_no_call_starts_after_the_deadline(
 ) -> None:
     admin.set_faults(OP, hang=True, hang_max_s=30)
     policy = unguarded(RetryPolicy(max_retries=50, initial_backoff_s=0.05, max_backoff_s=0.1, call_timeout_s=0.3))
-    timed = CallTimes(http_post_handler(service.base_url, OP))
+    timed = CallTimes(http_handler(service.base_url, OP))
     req = request(calls_allowed=50, deadline_s=1.5)
     started = time.monotonic()
     deadline = started + (req.complete_by - datetime.now(UTC)).total_seconds()  # the same instant, monotonic
@@ -390,7 +390,7 @@ def test_a_drain_during_a_back_off_abandons_the_attempt_without_another_call(
 ) -> None:
     admin.set_faults(OP, error_rate=1.0)
     stopping = threading.Event()
-    worker = Agent("inventory", http_post_handler(service.base_url, OP),
+    worker = Agent("inventory", http_handler(service.base_url, OP),
                    unguarded(RetryPolicy(initial_backoff_s=5, max_backoff_s=5, jitter=0)), stopping,
                    dependency=dependency())
     req = request(deadline_s=30)

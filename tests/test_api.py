@@ -161,7 +161,7 @@ def test_openapi_describes_every_endpoint(client: TestClient) -> None:
     paths = client.get("/openapi.json").json()["paths"]
     assert set(paths) == {"/api/tasks", "/api/tasks/{task_id}", "/api/counts", "/api/steps/stuck",
                           "/api/steps/queued", "/api/steps/waiting", "/api/steps/failed", "/api/alerts", "/api/dlq",
-                          "/api/dlq/summary", "/api/lag", "/api/throughput", "/api/health"}
+                          "/api/dlq/summary", "/api/lag", "/api/throughput", "/api/health", "/api/agents"}
     assert {p["name"] for p in paths["/api/tasks"]["get"]["parameters"]} == {
         "state", "workflow", "since", "until", "limit", "cursor"}
 

@@ -25,6 +25,7 @@ from stepstream.http.app import create_app
 from stepstream.http.settings import ApiSettings
 from stepstream.http.writer import TaskWriter
 from stepstream.http.writes import write_router
+from stepstream.presence import Presence
 from tests.histories import histories
 from tests.system import System
 from tests.workflows import REGISTRY
@@ -48,7 +49,8 @@ def api_schema(system: System, tmp_path: Path) -> Iterator[schemathesis.Schema]:
     admission = GlobalAdmission(live, lag, system.layout, api_settings.max_in_flight)
     writer = TaskWriter(bootstrap=system.bootstrap, layout=system.layout, store=live, registry=REGISTRY,
                         admission=admission, settings=api_settings)
-    app = create_app(seeded, system.layout, lag, [write_router(writer, api_settings)])
+    app = create_app(seeded, system.layout, lag, [write_router(writer, api_settings)],
+                     Presence.of(REGISTRY, system.bootstrap, system.layout))
     try:
         yield schemathesis.openapi.from_asgi("/openapi.json", app)
     finally:

@@ -23,6 +23,7 @@ import scheduler.service
 import stepstream.client.outbox
 import stepstream.http.writes
 import supervisor.service
+from projections.agent_groups import AgentGroups
 from projections.lag import LagReader, PartitionLag
 from projections.store import SqliteStore
 from stepstream.http.metrics import DashboardCollector
@@ -51,6 +52,16 @@ class OnePartitionLag(LagReader):
         return self.groups()
 
 
+class OneAgent(AgentGroups):
+    """The API's agent gauge without a broker: one agent, enough to learn the gauge's name."""
+
+    def __init__(self) -> None:
+        pass
+
+    def members(self) -> dict[str, int]:
+        return {"a": 0}
+
+
 def sample_names(metric: Metric) -> set[str]:
     """The series names a metric family is scraped as."""
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "summary": ("_sum", "_count")}
@@ -63,7 +74,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> set[str]:
     names = {name for metric in REGISTRY.collect() for name in sample_names(metric)}
     store = SqliteStore(tmp_path_factory.mktemp("store") / "state.db")
     try:
-        collector = DashboardCollector(store, OnePartitionLag(), ["events"])
+        collector = DashboardCollector(store, OnePartitionLag(), ["events"], OneAgent())
         names |= {name for metric in collector.collect() for name in sample_names(metric)}
     finally:
         store.close()
@@ -93,7 +104,7 @@ def test_the_alerts_cover_every_condition_an_operator_must_hear_of() -> None:
     assert set(alert_expressions()) == {
         "StepstreamConsumerLagGrowing", "StepstreamConsumerLagFrozen", "StepstreamDeadLetters",
         "StepstreamCircuitBreakerOpen", "StepstreamStuckSteps", "StepstreamCompensationFailed",
-        "StepstreamNoSupervisorLeader", "StepstreamProjectionBehind"}
+        "StepstreamNoSupervisorLeader", "StepstreamProjectionBehind", "StepstreamNoAgentRunning"}
 
 
 def promtool(*args: str) -> subprocess.CompletedProcess[str]:

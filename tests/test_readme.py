@@ -32,6 +32,7 @@ from demo.workflows import REGISTRY
 from stepstream.cli import build_parser
 from stepstream.client import Client
 from stepstream.http.bodies import CommandRequest, SubmissionRequest
+from stepstream.project.files import parse as parse_project
 from tests.test_compose import SETTINGS, services
 
 ROOT = Path(__file__).parent.parent
@@ -39,10 +40,15 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 PACKAGES = "docs|examples|schemas|eventstore|projections|scheduler|agents|supervisor|stepstream|demo|tests|benchmarks"
 # Named by the README before they land: the page on one's own system and its example are written on
 # another branch (once merged, they exist and these names change nothing).
-WRITTEN_ELSEWHERE = {"docs/your-own-system.md", "examples/travel"}
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
 CHECKED_LANGUAGES = {"sh", "bash", "python", "toml", "properties"}
-DEMO_WORKFLOWS = {workflow.name for workflow in REGISTRY.workflows()}
+SHOWN_OUTPUT = "text"  # what a command prints, shown to the reader: nothing to run or parse
+TRAVEL = ROOT / "examples" / "travel"
+TRAVEL_PORT = 8300
+sys.path.insert(0, str(TRAVEL))  # the travel example's folder, as its stepstream.toml puts it on the path
+TRAVEL_APP: Any = importlib.import_module("travel.service").create_app()
+TRAVEL_REGISTRY: Any = importlib.import_module("travel.workflows").REGISTRY
+
 KNOWN_VARIABLES = {f"{settings.model_config.get('env_prefix', '')}{name}".upper()
                    for settings in SETTINGS for name in settings.model_fields} | {
     name for path in [ROOT / "Makefile", *(ROOT / "tests").glob("*.py"), *(ROOT / "benchmarks").glob("*.py")]
@@ -69,10 +75,11 @@ def _shell_lines(page: Path) -> list[str]:
 
 
 def _check_input(workflow: str, version: int | None, data: Any) -> None:
-    """``data`` is valid input for that version of a workflow of the demo's registry (the latest without
-    one); another project's workflow is not known here and is left unchecked."""
-    if workflow in DEMO_WORKFLOWS:
-        errors = REGISTRY.get(workflow, version).input_errors(data)
+    """``data`` is valid input for that version of a workflow of the demo's or the travel example's registry
+    (the latest without one); another project's workflow is not known here and is left unchecked."""
+    registry = next((r for r in (REGISTRY, TRAVEL_REGISTRY) if workflow in {w.name for w in r.workflows()}), None)
+    if registry is not None:
+        errors = registry.get(workflow, version).input_errors(data)
         assert errors == [], f"{workflow} v{version or 'latest'}: {errors}"
 
 
@@ -97,7 +104,11 @@ def _check_stepstream(args: list[str]) -> None:
 
 
 def _check_request(args: list[str]) -> None:
-    path = urlsplit(next(arg for arg in args if arg.startswith("http"))).path
+    url = urlsplit(next(arg for arg in args if arg.startswith("http")))
+    path = url.path
+    if url.port == TRAVEL_PORT:  # the travel example's own service: one of its routes
+        assert path in {route.path for route in TRAVEL_APP.routes}, path
+        return
     if "-d" not in args:
         return  # a read: nothing to validate but the URL's shape
     body = json.loads(args[args.index("-d") + 1])
@@ -116,7 +127,8 @@ def _check_python_run(args: list[str]) -> None:
         _check_python(args[1])
         return
     assert args[0] == "-m", args
-    assert importlib.util.find_spec(args[1]) is not None, f"no module {args[1]}"
+    assert importlib.util.find_spec(args[1]) is not None or (TRAVEL / (args[1].replace(".", "/") + ".py")).is_file(), \
+        f"no module {args[1]}"
     if args[1] == "pytest":
         named = [arg.split("::")[0] for arg in args[2:] if arg.startswith("tests/")]
         assert all((ROOT / path).exists() for path in named), named
@@ -128,6 +140,7 @@ def _check_command(line: str) -> None:
     while words and re.fullmatch(r"[A-Z_]+=.*", words[0]):  # VAR=value before the command
         _check_variable(words.pop(0).split("=")[0])
     program, *args = words
+    program = re.sub(r"^(\.\./)+", "", program)  # run from an example's folder, e.g. examples/travel
     if program in {".venv/bin/stepstream", "stepstream"}:
         _check_stepstream(args)
     elif program == "make":
@@ -184,8 +197,10 @@ def _submits(func: ast.expr) -> bool:
 
 def _check_toml(block: str) -> None:
     loaded = tomllib.loads(block)
-    if set(loaded) <= {"defaults", "dependencies"}:  # an agent policy; another file (a project's) parses
+    if set(loaded) <= {"defaults", "dependencies"}:
         parse_policy(loaded)
+    elif "project" in loaded:
+        parse_project(block, "a page's stepstream.toml")
 
 
 COMMANDS = [pytest.param(line, id=f"{_name(page)}: {line}") for page in PAGES for line in _shell_lines(page)]
@@ -206,13 +221,14 @@ def test_the_readme_links_every_page_of_docs() -> None:
 
 def test_the_pages_hold_every_kind_of_block_this_test_checks() -> None:
     languages = {found for page in PAGES for found, _ in FENCE.findall(page.read_text())}
-    assert languages == CHECKED_LANGUAGES
+    assert languages - {SHOWN_OUTPUT} == CHECKED_LANGUAGES
     assert len(_shell_lines(ROOT / "README.md")) >= 10 and _blocks(ROOT / "README.md", "python")
 
 
 @pytest.mark.parametrize("page", PAGE_PARAMS)
 def test_every_block_of_a_page_is_of_a_language_this_test_checks(page: Path) -> None:
-    unchecked = [found or "(none)" for found, _ in FENCE.findall(page.read_text()) if found not in CHECKED_LANGUAGES]
+    allowed = CHECKED_LANGUAGES | {SHOWN_OUTPUT}
+    unchecked = [found or "(none)" for found, _ in FENCE.findall(page.read_text()) if found not in allowed]
     assert unchecked == []
 
 
@@ -254,13 +270,13 @@ def test_every_setting_in_a_configuration_table_of_a_page_is_one_a_service_reads
 def test_every_repository_file_and_link_of_a_page_exists(page: Path) -> None:
     text = page.read_text()
     named = {path.rstrip("/") for path in re.findall(rf"[`(]((?:{PACKAGES})/[\w./*-]+)[`)]", text)}
-    missing = sorted(path for path in named - WRITTEN_ELSEWHERE if not any(ROOT.glob(path)))
+    missing = sorted(path for path in named if not any(ROOT.glob(path)))
     assert missing == []
     for target in re.findall(r"\]\(([^)#]*)(?:#[^)]*)?\)", text):
         if target and not re.match(r"\w+:", target):
             linked = (page.parent / target).resolve()
             assert linked.is_relative_to(ROOT), f"{target}: outside the repository"
-            assert linked.exists() or _name(linked) in WRITTEN_ELSEWHERE, target
+            assert linked.exists(), target
 
 
 @pytest.mark.parametrize("page", PAGE_PARAMS)
@@ -291,11 +307,11 @@ def test_a_stale_input_for_a_demo_workflow_fails_the_check() -> None:
 
 
 def test_another_projects_workflow_and_a_read_pass_but_a_bad_stepstream_command_does_not() -> None:
-    _check_command("""stepstream submit trip --input '{"city": "Lisbon"}'""")
+    _check_command("""stepstream submit booking --input '{"city": "Lisbon"}'""")
     _check_command("curl -sS http://127.0.0.1:8780/api/tasks?state=waiting")
     _check_command("cd examples/anywhere")
     with pytest.raises(SystemExit):
-        _check_command("stepstream submit trip --no-such-option")
+        _check_command("stepstream submit booking --no-such-option")
     with pytest.raises(pytest.fail.Exception):
         _check_command("rm -rf .stepstream")
 
@@ -315,3 +331,9 @@ def test_stepstream_without_a_command_lists_every_command_and_exits_2() -> None:
     assert done.returncode == 2 and commands
     for name in commands:
         assert re.search(rf"^\s+{name}\s+\S", done.stderr, re.MULTILINE), name
+
+
+def test_a_stale_input_of_the_travel_example_fails_like_one_of_the_demo() -> None:
+    with pytest.raises(AssertionError, match="card"):
+        _check_command("""../../.venv/bin/stepstream submit trip --input '{"trip_id": "t", "flight": "LH 1", """
+                       """"hotel": "Adlon", "nights": 2, "amount": 480}'""")

@@ -15,7 +15,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from agents.breaker import BreakerPolicy
-from agents.http import http_post_handler
+from agents.http import http_handler
 from agents.policy import DependencyPolicy
 from agents.runtime import Agent
 from eventstore.producer import EventProducer
@@ -71,7 +71,7 @@ def test_an_agent_continues_the_attempt_span_and_hands_each_call_span_to_the_ser
     client = httpx.Client(transport=httpx.MockTransport(
         lambda r: seen.append(r) or httpx.Response(200, json={"done": True})))
     clock = FakeTime()
-    agent = Agent("payments", http_post_handler("http://orders", "payments/charge", client),
+    agent = Agent("payments", http_handler("http://orders", "payments/charge", client),
                   DependencyPolicy(breaker=BreakerPolicy(enabled=False)), sleep=clock.sleep,
                   monotonic=clock.monotonic, now=clock.now)
     sent = Sent()

@@ -3,7 +3,8 @@
 Each verb's command line is defined in its own module here, next to the few lines that call into the package
 that owns the work (``tasks``: submit, status, tasks; ``operator``: task ...; ``broker``: broker, topics;
 ``run``: run, up; ``projections``, ``serve``, ``dlq``, ``keys``, ``outbox``, ``demo``). This module only gathers them
-and turns the errors every verb may meet into exit codes.
+and turns the errors every verb may meet into exit codes; before any of them, it reads the project file
+(``stepstream.project``), so every verb runs the same workflows and agents.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from eventstore.errors import KafkaUnreachable, StepstreamError
 from eventstore.kafka_config import kafka_reason
 from schemas.sealed import SealingError
 from stepstream.cli import broker, demo, dlq, keys, operator, outbox, projections, run, serve, tasks
+from stepstream.project.files import activate, find_project
 
 EXIT_UNAVAILABLE = 69  # sysexits' EX_UNAVAILABLE: the Kafka cluster did not answer
 DESCRIPTION = ("``stepstream``: one thin command in front of every service and tool. Each sub-command parses its "
@@ -33,6 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:  # first: the project's workflows, agents and services are every command's settings (and --help's)
+        activate(find_project())
+    except StepstreamError as exc:
+        print(f"stepstream: {exc}", file=sys.stderr)
+        return 1
     parser = build_parser()
     if not (sys.argv[1:] if argv is None else argv):  # no command: the list of them, not argparse's one-liner
         parser.print_help(sys.stderr)

@@ -28,7 +28,7 @@ import orjson
 from pydantic import ValidationError
 
 from projections.rows import EPOCH, exact_ms
-from scheduler.settings import SchedulerSettings
+from scheduler.settings import SchedulerSettings, WorkflowsUnloadable
 from schemas.states import TaskStatus
 from stepstream.client import Client, InvalidSubmission, SubmissionContradicts, SubmissionRejected, TaskWaitTimeout
 
@@ -40,6 +40,7 @@ EXIT_INVALID, EXIT_NOT_FOUND, EXIT_NOT_COMPLETED, EXIT_REJECTED, EXIT_CONTRADICT
 # The task states, as ``/api/tasks?state=`` accepts them and in its order.
 TASK_STATES: tuple[str, ...] = tuple(status.value for status in TaskStatus)  # plain: argparse shows their repr
 ERROR_WIDTH = 60
+AGENTS_CHECK_S = 2.0  # how long status waits for the broker to say which agents run, before answering without
 
 
 def add_parsers(commands: Any) -> None:
@@ -59,7 +60,7 @@ def add_parsers(commands: Any) -> None:
     submit.add_argument("--json", action="store_true", help="machine-readable output")
     submit.set_defaults(func=_submit)
 
-    status = commands.add_parser("status", help="show a task and its steps")
+    status = commands.add_parser("status", help="show a task and its steps (and which wait on an agent nobody runs)")
     status.add_argument("task_id")
     status.add_argument("--json", action="store_true")
     status.set_defaults(func=_status)
@@ -88,7 +89,7 @@ def _workflows_help() -> str:
     """The workflows this deployment runs and their inputs (the registry STEPSTREAM_SCHEDULER_WORKFLOWS names)."""
     try:
         lines = SchedulerSettings().load_registry().describe_inputs()
-    except (ValidationError, ImportError, AttributeError, TypeError) as exc:  # every command builds this parser:
+    except (ValidationError, WorkflowsUnloadable) as exc:  # every command builds this parser:
         return f"workflows: cannot load STEPSTREAM_SCHEDULER_WORKFLOWS: {exc}"  # say what is wrong, do not fail
     return "workflows and their --input:\n" + "\n".join(f"  {line}" for line in lines)
 
@@ -135,9 +136,30 @@ def _print(task: dict[str, Any], as_json: bool) -> None:
         return
     print(f"{task['task_id']}: {task['status']} ({task['workflow']} v{task['workflow_version']})"
           + (f" — {task['error']}" if task.get("error") else ""))
+    unattended = {entry["step"]: entry["reason"] for entry in task.get("unattended") or []}
     for step in task.get("steps", []):
+        notes = [note for note in (step.get("error"), unattended.get(step["step"])) if note]
         print(f"  {step['step']}: {step['status']}, attempt {step['attempt']}, failures {step['failure_count']}"
-              + (f" — {step['error']}" if step.get("error") else ""))
+              + "".join(f" — {note}" for note in notes))
+
+
+def _unattended(task: dict[str, Any]) -> list[dict[str, str]]:
+    """Its steps in progress whose agent has no process running (``stepstream.presence``); none when the
+    broker does not answer within a few seconds: status still answers from the store."""
+    from eventstore.kafka_config import check_reachable
+    from eventstore.settings import KafkaSettings
+    from eventstore.topics import TopicLayout
+    from stepstream.presence import Presence
+
+    try:
+        kafka = KafkaSettings()
+        bootstrap = kafka.resolved_bootstrap()
+        check_reachable(bootstrap, AGENTS_CHECK_S, "agents check")  # quiet: librdkafka would log each refusal
+        presence = Presence.of(SchedulerSettings().load_registry(), bootstrap, TopicLayout.from_settings(kafka),
+                               timeout_s=AGENTS_CHECK_S)
+        return presence.unattended(task)
+    except Exception:  # no broker, or workflows that do not load: the store's answer stands alone
+        return []
 
 
 def _submit(args: argparse.Namespace) -> int:
@@ -177,7 +199,7 @@ def _status(args: argparse.Namespace) -> int:
     if task is None:
         print(f"stepstream status: no task {args.task_id!r} in the state store", file=sys.stderr)
         return EXIT_NOT_FOUND
-    _print(task, args.json)
+    _print({**task, "unattended": _unattended(task)}, args.json)
     return 0
 
 

@@ -15,6 +15,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from projections.agent_groups import AgentGroups
 from projections.lag import LagReader
 from projections.store import Store
 
@@ -24,10 +25,12 @@ log = structlog.get_logger("stepstream.api")
 class DashboardCollector(Collector):
     """Gauges read at scrape time from the store and the broker: what the dashboard shows, for alerting."""
 
-    def __init__(self, store: Store, lag: LagReader | None, topics: list[str]) -> None:
+    def __init__(self, store: Store, lag: LagReader | None, topics: list[str],
+                 agents: AgentGroups | None = None) -> None:
         self.store = store
         self.lag = lag
         self.topics = topics
+        self.agents = agents
 
     def collect(self) -> Iterable[Metric]:
         depth = GaugeMetricFamily("stepstream_dlq_depth", "Dead letters not replayed yet, by error kind",
@@ -44,6 +47,7 @@ class DashboardCollector(Collector):
         for state, count in sorted(self.store.step_counts_by_status().items()):
             steps.add_metric([state], count)
         yield steps
+        yield from self._agents()
         if self.lag is None:
             return
         groups = GaugeMetricFamily("stepstream_group_lag", "Records between a consumer group's committed "
@@ -62,11 +66,27 @@ class DashboardCollector(Collector):
         yield projection
 
 
-def metrics_router(store: Store, lag: LagReader | None, topics: list[str]) -> APIRouter:
+    def _agents(self) -> Iterable[Metric]:
+        if self.agents is None:
+            return
+        members = GaugeMetricFamily("stepstream_agent_group_members", "Consumers in each agent's group (0: no "
+                                    "process of that agent runs; the steps handed to it wait for nobody)",
+                                    labels=["agent"])
+        try:
+            for agent, count in sorted(self.agents.members().items()):
+                members.add_metric([agent], count)
+        except Exception as exc:  # the broker is down: say nothing rather than "no agent"
+            log.warning("agent groups not measured", error=repr(exc))
+            return
+        yield members
+
+
+def metrics_router(store: Store, lag: LagReader | None, topics: list[str],
+                   agents: AgentGroups | None = None) -> APIRouter:
     """``/metrics``: the process registry (every module's counters) and the store's and broker's gauges."""
     router = APIRouter()
     metrics = CollectorRegistry(auto_describe=False)
-    metrics.register(DashboardCollector(store, lag, topics))
+    metrics.register(DashboardCollector(store, lag, topics, agents))
 
     @router.get("/metrics", include_in_schema=False)
     def prometheus() -> Response:

@@ -11,6 +11,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any
 
 import orjson
+import structlog
 from fastapi import APIRouter, HTTPException, Query
 
 from projections.lag import LagReader
@@ -18,6 +19,9 @@ from projections.rows import exact_ms
 from projections.store import Store
 from schemas.states import TaskStatus
 from stepstream.http.errors import invalid
+from stepstream.presence import Presence, no_agent
+
+log = structlog.get_logger("stepstream.api")
 
 MAX_INT64 = 2**63 - 1  # what both stores' integer columns hold: larger values are refused with a 422
 
@@ -52,9 +56,11 @@ def _page(items: list[dict[str, Any]], limit: int, *cursor_columns: str) -> dict
     return {"items": items, "next_cursor": encode_cursor(*(last[c] for c in cursor_columns)) if last else None}
 
 
-def read_router(store: Store, topics: list[str], lag: LagReader | None) -> APIRouter:
-    """The query endpoints over ``store``; ``topics`` are the ones whose offsets the store keeps, and ``lag``
-    reads the broker (None: the lag endpoint answers 503)."""
+def read_router(store: Store, topics: list[str], lag: LagReader | None,
+                presence: Presence | None = None) -> APIRouter:
+    """The query endpoints over ``store``; ``topics`` are the ones whose offsets the store keeps, ``lag``
+    reads the broker (None: the lag endpoint answers 503), and ``presence`` the agents' groups (None: the
+    agents endpoint answers 503, and a task does not say which of its steps no agent runs for)."""
     router = APIRouter()
 
     @router.get("/api/tasks", tags=["tasks"])
@@ -77,13 +83,36 @@ def read_router(store: Store, topics: list[str], lag: LagReader | None) -> APIRo
 
     @router.get("/api/tasks/{task_id}", tags=["tasks"], responses={404: {"description": "no such task in the store"}})
     def task(task_id: str) -> dict[str, Any]:
-        """One task, its steps, and its full timeline (every event, decoded)."""
+        """One task, its steps, its full timeline (every event, decoded), and ``unattended``: its steps in
+        progress whose agent has no process running (``reason``: "no agent running for `NAME`")."""
         found = store.task(task_id)
         if found is None:
             raise HTTPException(404, f"no task {task_id!r} in the state store")
         timeline = [{**{k: v for k, v in e.items() if k != "body"}, "event": orjson.loads(e["body"])}
                     for e in store.history(task_id)]
-        return {**found, "timeline": timeline}
+        return {**found, "unattended": _unattended(found), "timeline": timeline}
+
+    def _unattended(task: dict[str, Any]) -> list[dict[str, str]]:
+        if presence is None:
+            return []
+        try:
+            return presence.unattended(task)
+        except Exception as exc:  # the broker is down: the task is still served from the store
+            log.warning("agents not checked", error=repr(exc))
+            return []
+
+    @router.get("/api/agents", tags=["operators"], responses={503: {"description": "the broker did not answer"}})
+    def agents() -> dict[str, Any]:
+        """Every agent the workflows name, with its consumer group's members (0: no process of it runs, and
+        the steps handed to it wait for nobody)."""
+        if presence is None:
+            raise HTTPException(503, "agents are not checked: no Kafka cluster configured for this API")
+        try:
+            members = presence.groups.members()
+        except Exception as exc:
+            raise HTTPException(503, f"the broker did not answer: {exc}") from exc
+        return {"items": [{"agent": agent, "members": count, "reason": no_agent(agent) if count == 0 else None}
+                          for agent, count in sorted(members.items())]}
 
     @router.get("/api/counts", tags=["tasks"])
     def counts() -> dict[str, Any]:

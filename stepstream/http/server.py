@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from projections.lag import LagReader
     from projections.store import Store
     from stepstream.http.writer import TaskWriter
+    from stepstream.presence import Presence
 
 
 def serve_api(*, host: str | None, port: int | None) -> int:
@@ -73,7 +74,8 @@ def serve_api(*, host: str | None, port: int | None) -> int:
         print(f"api listening on http://{bound_host}:{bound_port} (store {store.describe()})", file=sys.stderr,
               flush=True)
         probes = probes_router(store, layout.events, stop, HEALTH if writer is not None else None)
-        app = create_app(store, layout, lag, [write_router(writer, settings), probes])
+        app = create_app(store, layout, lag, [write_router(writer, settings), probes],
+                         _presence(kafka, layout) if lag is not None else None)
         server = _draining_server_class()(uvicorn.Config(app, log_level="warning", access_log=False))
         # uvicorn installs its own handlers when it runs; a signal that came before that stops it all the same.
 
@@ -102,6 +104,20 @@ def _draining_server_class() -> type[Any]:
             self._captured_signals.clear()
 
     return DrainingServer
+
+
+def _presence(kafka: KafkaSettings, layout: TopicLayout) -> Presence | None:
+    """The agents of the workflows the scheduler runs (same setting) and their groups; None, said on stderr,
+    when those workflows cannot be loaded: the store is served all the same."""
+    from scheduler.settings import SchedulerSettings, WorkflowsUnloadable
+    from stepstream.presence import Presence
+
+    try:
+        registry = SchedulerSettings().load_registry()
+    except WorkflowsUnloadable as exc:
+        print(f"stepstream: agents are not checked: {exc}", file=sys.stderr)
+        return None
+    return Presence.of(registry, kafka.resolved_bootstrap(), layout)
 
 
 def _task_writer(kafka: KafkaSettings, layout: TopicLayout, store: Store, lag: LagReader,

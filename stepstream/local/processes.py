@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,22 +30,27 @@ class ServiceProcesses:
     def start(self, name: str, *args: str, env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
         """Start ``python -m <args>`` under ``name`` (``env``: variables of its own on top of the group's); a
         process of that name still running is an error."""
+        return self.launch(name, (sys.executable, "-m", *args), env=env)
+
+    def launch(self, name: str, argv: tuple[str, ...], env: Mapping[str, str] | None = None
+               ) -> subprocess.Popen[bytes]:
+        """Start the command ``argv`` under ``name`` (a project's own service, say), as ``start`` does."""
         running = self.procs.get(name)
         if running is not None and running.poll() is None:
             raise RuntimeError(f"{name} is already running (pid {running.pid})")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_dir / f"{name}.log", "ab") as log:
             self._log_start[name] = log.tell()
-            proc = subprocess.Popen([sys.executable, "-m", *args], env={**self.env, **(env or {})}, stdout=log,
-                                    stderr=subprocess.STDOUT, cwd=self.cwd)
+            proc = subprocess.Popen(argv, env={**self.env, **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
+                                    cwd=self.cwd)
         self.procs[name] = proc
-        self._commands[name] = (args, env)
+        self._commands[name] = (argv, env)
         return proc
 
     def start_again(self, name: str) -> subprocess.Popen[bytes]:
         """Start ``name`` as it was started last time (it must have exited)."""
-        args, env = self._commands[name]
-        return self.start(name, *args, env=env)
+        argv, env = self._commands[name]
+        return self.launch(name, argv, env=env)
 
     def service(self, name: str, *args: str, env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
         """Start a ``stepstream run ...`` service."""
@@ -86,11 +91,15 @@ class ServiceProcesses:
             proc.wait(timeout=10)
             return -9
 
-    def terminate_all(self, timeout_s: float = 60.0) -> dict[str, int]:
-        """Stop every process, newest first, all signalled before any is waited for."""
-        for name in reversed(list(self.procs)):
-            self._signal_once(name)
-        return {name: self.terminate(name, timeout_s) for name in reversed(list(self.procs))}
+    def terminate_all(self, timeout_s: float = 60.0, last: Collection[str] = ()) -> dict[str, int]:
+        """Stop every process, newest first, all signalled before any is waited for; those named in ``last``
+        (the services the others call) only once the others exited, so a drain's last calls are answered."""
+        codes: dict[str, int] = {}
+        for wave in ([n for n in reversed(list(self.procs)) if n not in last], [n for n in last if n in self.procs]):
+            for name in wave:
+                self._signal_once(name)
+            codes |= {name: self.terminate(name, timeout_s) for name in wave}
+        return codes
 
     def _signal_once(self, name: str) -> None:
         proc = self.procs[name]

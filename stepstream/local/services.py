@@ -64,8 +64,11 @@ def run_agent(name: str) -> int:
     from agents.policy import FilePolicy, PolicyError
     from agents.runtime import build_agent
     from agents.settings import AgentSettings
-    from demo.order_agents import shipped_agent
+    from stepstream.project.agents import declared_agent
+    from stepstream.project.files import find_project
 
+    project = find_project()
+    project.agent(name)  # an undeclared name is refused in one line, before the service starts
     kafka, consumer, stop = _prepare(f"agent {name}")
     settings = AgentSettings()
     try:
@@ -74,7 +77,8 @@ def run_agent(name: str) -> int:
         raise PolicyRefused(f"agent {name} not started: {exc}") from None
     if isinstance(policy, FilePolicy):
         threading.Thread(target=_watch_policy, args=(policy, stop), name="policy-watch", daemon=True).start()
-    agent = shipped_agent(name, settings.service_url, policy, stop, connections=settings.concurrency)
+    agent = declared_agent(project, name, policy, stop, connections=settings.concurrency,
+                           url_override=settings.service_url)
     build_agent(kafka, consumer, agent, settings.concurrency).run()
     return 0
 

@@ -1,10 +1,15 @@
 """``stepstream up``: a whole local system in one command, stopped cleanly by SIGTERM or Ctrl-C.
 
-It starts the local broker if no cluster is configured, the demo's order service, and every service as
-its own process (projector, scheduler, one agent per agent the workflows name, supervisor, and the API
-with the dashboard on STEPSTREAM_API_PORT, or a free port when that one is taken), then watches them: one
-that dies is started again after a back-off, one that keeps dying stops everything with exit 1
-(``stepstream.local.restarts``). On SIGTERM it drains them newest first and reports each exit code.
+It runs the project's system (``stepstream.project``: a ``stepstream.toml``, or the built-in demo): the local
+broker if no cluster is configured, the project's services that have a ``command`` (the demo's order
+service), and every service as its own process (projector, scheduler, one agent per agent the workflows
+name, forward and compensation alike, supervisor, and the API with the dashboard on STEPSTREAM_API_PORT, or
+a free port when that one is taken), then watches them: one that dies is started again after a back-off,
+one that keeps dying stops everything with exit 1 (``stepstream.local.restarts``). On SIGTERM it drains
+them newest first (the project's services last, so agents finish their calls) and reports each exit code.
+
+A workflow naming an agent the project does not declare is refused before anything starts, naming it: a
+step nobody would ever take would otherwise sit ``queued`` for good.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import threading
@@ -22,8 +28,6 @@ from pathlib import Path
 from confluent_kafka.admin import AdminClient
 from rich.console import Console
 
-from demo.order_agents import ORDER_OPERATIONS
-from demo.orders_client import ServiceProcess
 from eventstore.broker import LocalBroker
 from eventstore.console import command_console
 from eventstore.errors import StepstreamError
@@ -33,9 +37,13 @@ from eventstore.shutdown import GracefulShutdown
 from eventstore.topics import TopicLayout, ensure_topics
 from scheduler.settings import SchedulerSettings
 from schemas.sealed import configured_keys
+from stepstream.errors import UsageError
 from stepstream.http.settings import ApiSettings
+from stepstream.local import project_services
 from stepstream.local.processes import ServiceProcesses, child_env
 from stepstream.local.restarts import RestartPolicy, RestartSettings
+from stepstream.project.agents import agent_url
+from stepstream.project.files import LoadedProject, find_project
 
 READY_MARKER = "stepstream is up"
 API_MARKER = "api listening on"
@@ -47,6 +55,10 @@ def up_state_file(home: Path) -> Path:
 
 class PortTaken(StepstreamError):
     """A port a service of ``stepstream up`` must listen on is in use."""
+
+
+class UndeclaredAgents(StepstreamError):
+    """The workflows name agents the project does not declare: ``up`` starts nothing."""
 
 
 class AlreadyUp(StepstreamError):
@@ -81,67 +93,90 @@ def run_up(service_port: int | None = None) -> int:
     console = command_console(stderr=True)  # whole lines, also in a log: the demo and tests read them
     stop = GracefulShutdown(ConsumerSettings().drain_timeout_s * 2).install().event
     kafka = KafkaSettings()
-    agents = sorted(SchedulerSettings().load_registry().agents & ORDER_OPERATIONS.keys())
+    project = find_project()
+    agents = _agents(project, SchedulerSettings())
+    own = {name: decl for name, decl in project.spec.services.items() if decl.command is not None}
+    if service_port is not None and len(own) != 1:
+        raise UsageError(f"--service-port: the project runs {len(own)} services of its own, not one")
     services = ["projector", "scheduler", *agents, "supervisor"]
     metrics = metrics_ports(services, ObservabilitySettings().metrics_port)
     home = kafka.home.resolve()
     refuse_if_up(home)
+    planned = [project_services.plan(name, decl, service_port) for name, decl in own.items()]
     logs = home / "logs"
     logs.mkdir(parents=True, exist_ok=True)  # a fresh clone has no home yet; every process logs there
     bootstrap = kafka.reachable_bootstrap() if kafka.bootstrap_servers else LocalBroker(home).start().bootstrap_servers
     layout = TopicLayout.from_settings(kafka)
     ensure_topics(AdminClient(connection_config(bootstrap)), layout.core_specs(), kafka.replication_factor)
 
-    service = ServiceProcess(port=service_port, state_file=home / "orders-service.json",
-                             log_path=logs / "orders-service.log").start()
     procs = ServiceProcesses(child_env(STEPSTREAM_BOOTSTRAP_SERVERS=bootstrap, STEPSTREAM_HOME=str(home),
-                                       STEPSTREAM_AGENT_SERVICE_URL=service.base_url,
-                                       STEPSTREAM_ENCRYPTION_KEYS=configured_keys(home, create=True) or ""), logs)
-    names = [*services, "api"]
+                                       STEPSTREAM_ENCRYPTION_KEYS=configured_keys(home, create=True) or ""), logs,
+                             cwd=project.folder)
+    urls = {started.name: started.url for started in planned}
+    names = [*(started.process for started in planned), *services, "api"]
     gave_up: str | None = None
     try:
+        for started in planned:  # before the agents that call them
+            project_services.start(procs, started, own[started.name], home, project.folder)
         for name in services:
-            procs.service(name, *(("agent", name) if name in agents else (name,)),
-                          env={"STEPSTREAM_METRICS_PORT": str(metrics[name])} if name in metrics else None)
+            env = {"STEPSTREAM_METRICS_PORT": str(metrics[name])} if name in metrics else {}
+            if name in agents:
+                env |= _agent_env(project, name, urls)
+            procs.service(name, *(("agent", name) if name in agents else (name,)), env=env or None)
         procs.start("api", "stepstream", "serve", "api", "--port", str(_api_port()))
         for name in services:
             procs.wait_started(name)
         procs.wait_started("api", API_MARKER)
         api_url = re.findall(API_MARKER + r" (http://\S+)", procs.log("api"))[0]
-        state = {"pid": os.getpid(), "bootstrap": bootstrap, "service_url": service.base_url,
-                 "topic_prefix": layout.prefix, "api_url": api_url, "metrics_ports": metrics}
-        _write_state(home, state, procs, service)
-        console.print(f"{READY_MARKER}: kafka {bootstrap}, order service {service.base_url}, "
-                      f"dashboard and API {api_url}, services {', '.join(names)}; logs in {logs}",
-                      highlight=False)
+        state = {"pid": os.getpid(), "bootstrap": bootstrap, "services": urls, "topic_prefix": layout.prefix,
+                 "api_url": api_url, "metrics_ports": metrics}
+        _write_state(home, state, procs)
+        console.print(f"{READY_MARKER}: kafka {bootstrap}, "
+                      + "".join(f"service {name} {url}, " for name, url in urls.items())
+                      + f"dashboard and API {api_url}, services {', '.join(names)}; logs in {logs}", highlight=False)
         if metrics:
             console.print("metrics (STEPSTREAM_METRICS_PORT, one port each): " + ", ".join(
                 f"{name} http://127.0.0.1:{port}/metrics" for name, port in metrics.items()), highlight=False)
-        gave_up = _supervise(stop, procs, service, RestartPolicy(RestartSettings()),
-                             lambda: _write_state(home, state, procs, service), console)
+        gave_up = _supervise(stop, procs, RestartPolicy(RestartSettings()),
+                             lambda: _write_state(home, state, procs), console)
     finally:
-        codes = procs.terminate_all()
-        codes[ORDER_SERVICE] = service.stop() or 0
+        own_processes = [started.process for started in planned]
+        codes = procs.terminate_all(last=own_processes)
+        # A project's own service that ends by the SIGTERM up sent stopped as asked: a plain `uvicorn.run`
+        # re-raises the signal after its graceful shutdown, which is not a failure to report.
+        codes |= {name: 0 for name in own_processes if codes.get(name) == -signal.SIGTERM}
         up_state_file(home).unlink(missing_ok=True)
     console.print("stopped: " + ", ".join(f"{name} exit {code}" for name, code in codes.items()), highlight=False)
     return 0 if gave_up is None and all(code == 0 for code in codes.values()) else 1
 
 
-ORDER_SERVICE = "orders-service"
+def _agents(project: LoadedProject, workflows: SchedulerSettings) -> list[str]:
+    """Every agent the workflows name, forward and compensation; UndeclaredAgents if the project lacks one."""
+    named = workflows.load_registry().agents
+    missing = project.undeclared(named)
+    if missing:
+        raise UndeclaredAgents(f"not started: workflows {workflows.workflows} name agents that {project.where()} "
+                               f"does not declare: {', '.join(missing)}; declare each as [agents.NAME] (service "
+                               "and path, or handler)")
+    return sorted(named)
 
 
-def _supervise(stop: threading.Event, procs: ServiceProcesses, service: ServiceProcess, policy: RestartPolicy,
+def _agent_env(project: LoadedProject, name: str, started: dict[str, str]) -> dict[str, str]:
+    """An HTTP agent is told the URL of its service: where ``up`` started it (any free port), or as declared."""
+    decl = project.agent(name)
+    url = started.get(decl.service) if decl.service is not None else None
+    url = url or agent_url(project, name)
+    return {} if url is None else {"STEPSTREAM_AGENT_SERVICE_URL": url}
+
+
+def _supervise(stop: threading.Event, procs: ServiceProcesses, policy: RestartPolicy,
                on_restart: Callable[[], None], console: Console) -> str | None:
     """Until SIGTERM: start every service that died again, after the policy's back-off; the name of one
     that keeps dying (then everything stops), or None once asked to stop."""
     due: dict[str, float] = {}  # service -> when it starts again
-
-    def alive(name: str) -> bool:
-        return service.running if name == ORDER_SERVICE else procs.alive(name)
-
     while not stop.wait(0.2):
         now = time.monotonic()
-        for name in [n for n in (ORDER_SERVICE, *procs.procs) if n not in due and not alive(n)]:
+        for name in [n for n in procs.procs if n not in due and not procs.alive(n)]:
             delay = policy.on_death(name)
             if delay is None:
                 console.print(f"[red]{name} died {policy.recent_deaths(name)} times within "
@@ -152,19 +187,16 @@ def _supervise(stop: threading.Event, procs: ServiceProcesses, service: ServiceP
             due[name] = now + delay
         for name in [n for n, at in due.items() if at <= now]:
             del due[name]
-            if name == ORDER_SERVICE:
-                service.start()
-            else:
-                procs.start_again(name)
+            procs.start_again(name)
             console.print(f"{name} started again", highlight=False)
             on_restart()
     return None
 
 
-def _write_state(home: Path, state: dict[str, object], procs: ServiceProcesses, service: ServiceProcess) -> None:
+def _write_state(home: Path, state: dict[str, object], procs: ServiceProcesses) -> None:
     """``up.json``: how to reach the running system, with every process's current pid (renamed into place,
     so a reader never sees half a file)."""
-    pids = {name: proc.pid for name, proc in procs.procs.items()} | {ORDER_SERVICE: service.pid}
+    pids = {name: proc.pid for name, proc in procs.procs.items()}
     written = up_state_file(home).with_suffix(".tmp")
     written.write_text(json.dumps({**state, "pids": pids}))
     written.replace(up_state_file(home))

@@ -101,7 +101,8 @@ async function showTimeline(taskId) {
     const task = await get(`/api/tasks/${encodeURIComponent(taskId)}`);
     summary.textContent = `${task.task_id}: ${task.status} (workflow ${task.workflow} v${task.workflow_version}, ` +
       `${task.steps.length} steps${task.error ? ", " + task.error : ""}` +
-      `${task.quarantine_reason ? ", quarantined: " + task.quarantine_reason : ""})`;
+      `${task.quarantine_reason ? ", quarantined: " + task.quarantine_reason : ""})` +
+      task.unattended.map(u => `; ${u.step}: ${u.reason}`).join("");
     list.replaceChildren(...task.timeline.map(e => {
       const item = el("li", null, {"data-sequence": e.sequence});
       const detail = e.event.step ? ` ${e.event.step}` : "";
@@ -182,6 +183,14 @@ async function refresh() {
     fill("alerts", alerts.items, [r => [when(r.occurred_at)], r => [r.task_id], r => [r.step], r => [r.reason]], pick);
     fill("tasks", tasks.items, [r => [r.task_id], r => [r.workflow], r => [r.status], r => [r.current_step],
                                 r => [r.failure_count], r => [when(r.created_at)]], pick);
+    try {
+      const agents = await get("/api/agents");
+      const missing = agents.items.filter(a => a.members === 0).map(a => a.reason);
+      document.getElementById("agents").textContent = missing.length ? missing.join("; ") :
+        `every agent has a process running (${agents.items.length})`;
+    } catch (err) {
+      document.getElementById("agents").textContent = err.message;
+    }
     try {
       const lag = await get("/api/lag");
       fill("lag", [...lag.projection, ...lag.groups], [r => [r.group], r => [r.topic], r => [r.partition],

@@ -1,0 +1,53 @@
+"""An agent built from its declaration: an HTTP call to its service, or the Python handler it names."""
+
+from __future__ import annotations
+
+import importlib
+import threading
+
+from agents.http import http_handler, pooled_client
+from agents.policy import PolicyProvider
+from agents.runtime import Agent, AgentHandler
+from eventstore.errors import StepstreamError
+from stepstream.project.files import LoadedProject
+
+
+class AgentUnbuildable(StepstreamError):
+    """A declared agent cannot be built: its handler does not import, or its service has no URL to call."""
+
+
+def agent_url(project: LoadedProject, name: str) -> str | None:
+    """The base URL the HTTP agent ``name`` calls (None: a handler agent)."""
+    decl = project.agent(name)
+    if decl.url is not None:
+        return decl.url
+    return None if decl.service is None else project.spec.services[decl.service].url
+
+
+def declared_agent(project: LoadedProject, name: str, policy: PolicyProvider, stopping: threading.Event, *,
+                   connections: int, url_override: str | None = None) -> Agent:
+    """The agent ``name`` as ``project`` declares it; ``url_override`` (STEPSTREAM_AGENT_SERVICE_URL, which
+    ``up`` sets to where it started the service) replaces an HTTP agent's base URL."""
+    decl = project.agent(name)
+    handler: AgentHandler
+    if decl.handler is not None:
+        handler = _imported_handler(name, decl.handler)
+    else:
+        base = url_override or agent_url(project, name)
+        assert base is not None  # an HTTP agent has a service or a url (model validation)
+        handler = http_handler(base, decl.path, pooled_client(connections), method=decl.method,
+                               headers=decl.headers, max_timeout_s=decl.timeout_s)
+    return Agent(name, handler, policy, stopping, dependency=decl.dependency)
+
+
+def _imported_handler(name: str, target: str) -> AgentHandler:
+    module_name, _, attribute = target.partition(":")
+    try:
+        handler = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise AgentUnbuildable(f"agent {name}: handler {target} cannot be loaded ({exc}); its module must be "
+                               "importable from the project folder or PYTHONPATH") from None
+    if not callable(handler):
+        raise AgentUnbuildable(f"agent {name}: handler {target} is a {type(handler).__name__}, not a function")
+    checked: AgentHandler = handler
+    return checked

@@ -152,12 +152,13 @@ class KeyFollower:
 
     def _follow(self) -> Consumer:
         if self._consumer is None:
+            isolation = "read_committed" if self.committed_only else "read_uncommitted"
             consumer = Consumer({
                 **connection_config(self.bootstrap),
                 "group.id": reader_group("keys"),
                 "enable.auto.commit": False,
                 "enable.partition.eof": True,
-                "isolation.level": "read_committed" if self.committed_only else "read_uncommitted",
+                "isolation.level": isolation,
                 # A lookup waits for the fetch in flight when what it needs came after it: at most this long
                 # (default 500 ms), for ten fetches a second from an idle follower.
                 "fetch.wait.max.ms": 100,
@@ -171,8 +172,10 @@ class KeyFollower:
             consumer.assign([TopicPartition(self.topic, p, self._starts.get(p, OFFSET_BEGINNING))
                              for p in self._partitions])
             self._consumer = consumer
+            # Of the follower's isolation level: a read_committed query answers the last stable offset, which
+            # stops before a proposal written behind the scheduler's open transaction.
             self._ends = Consumer({**connection_config(self.bootstrap), "group.id": reader_group("keys-ends"),
-                                   "enable.auto.commit": False})
+                                   "enable.auto.commit": False, "isolation.level": isolation})
         return self._consumer
 
     def read_on(self, partitions: Iterable[int] | None, done: Callable[[], bool],

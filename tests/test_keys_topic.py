@@ -45,6 +45,7 @@ def test_a_proposal_written_behind_the_schedulers_open_transaction_is_found(boot
     """The scheduler's transaction stays open over several polls of inbox: once it wrote to a keys partition,
     a submission polled later in the same batch has its proposal behind that open transaction."""
     proposals = Proposals(bootstrap, layout.keys, 0, {}, {})
+    assert proposals.wrapped(proposal_record("none-yet", "r")) is None  # read to the end once, as a scheduler has
     scheduler = EventProducer(bootstrap, transactional_id=f"test-{uuid.uuid4().hex[:8]}")
     scheduler.init_transactions()
     scheduler.begin()

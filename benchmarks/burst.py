@@ -202,7 +202,9 @@ def run_burst(tasks: int, latency_ms: int, timeout_s: float, profile_s: int, wor
     try:
         state = wait_until_up(home, up, 180)
         api = str(state["api_url"]).rstrip("/")
-        httpx.put(f"{state['service_url']}/admin/faults", json={"latency_ms": latency_ms}, timeout=10
+        services = state["services"]
+        assert isinstance(services, dict)
+        httpx.put(f"{services['orders']}/admin/faults", json={"latency_ms": latency_ms}, timeout=10
                   ).raise_for_status()
         os.environ.update({"STEPSTREAM_HOME": str(home), "STEPSTREAM_BOOTSTRAP_SERVERS": str(state["bootstrap"])})
         from stepstream.client import Client  # settings read from the environment just set

@@ -15,7 +15,7 @@ MODULES = sorted(path.stem for path in (ROOT / "benchmarks").glob("*.py") if pat
 
 
 def test_every_benchmark_is_listed() -> None:
-    assert MODULES == ["agent_calls", "event_store", "replay", "restore", "scaling", "sealing", "submit", "timers",
+    assert MODULES == ["agent_calls", "burst", "event_store", "replay", "restore", "scaling", "sealing", "submit", "timers",
                        "waiting_out_kills", "workflow"]
 
 

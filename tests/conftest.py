@@ -48,6 +48,17 @@ def _no_broker_unless_marked(request: pytest.FixtureRequest, monkeypatch: pytest
         monkeypatch.setattr(LocalBroker, "launch", refuse)  # start() and a cluster's nodes both launch
 
 
+@pytest.fixture(autouse=True)
+def _environment_restored() -> Iterator[None]:
+    """What a test's in-process command sets in the environment (``stepstream.cli.main`` makes the project
+    file this process's configuration, for the children it starts) ends with the test: left behind, it
+    became the configuration of every later test's service processes on that worker."""
+    saved = os.environ.copy()
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 def _docker_answers() -> bool:
     try:
         import docker

@@ -38,21 +38,45 @@ class AgentGroups:
         with self._lock:
             if self._cached is not None and time.monotonic() - self._cached[0] < self.cache_s:
                 return self._cached[1]
-            counts: dict[str, int] = {}
-            if self.groups:
-                futures = self._admin.describe_consumer_groups(list(set(self.groups.values())),
-                                                               request_timeout=self.timeout_s)
-                for agent, group in sorted(self.groups.items()):
-                    counts[agent] = self._count(futures[group])
+            deadline = time.monotonic() + self.timeout_s
+            while True:
+                try:
+                    counts = self._described()
+                    break
+                except KafkaException as exc:
+                    # A group's coordinator moves or loads (a fresh broker creating its offsets topic, a broker
+                    # restarting): the broker says so and answers a moment later.
+                    if not _coordinator_moving(exc) or time.monotonic() >= deadline:
+                        raise
+                    time.sleep(0.1)
             self._cached = (time.monotonic(), counts)
             return counts
+
+    def _described(self) -> dict[str, int]:
+        if not self.groups:
+            return {}
+        futures = self._admin.describe_consumer_groups(list(set(self.groups.values())),
+                                                       request_timeout=self.timeout_s)
+        return {agent: self._count(futures[group]) for agent, group in sorted(self.groups.items())}
 
     def _count(self, future: Future[Any]) -> int:
         try:
             description = future.result(self.timeout_s)
         except KafkaException as exc:  # a broker that says so rather than describing an empty group
-            error = exc.args[0] if exc.args else None
-            if isinstance(error, KafkaError) and error.code() == KafkaError.GROUP_ID_NOT_FOUND:
+            if _code(exc) == KafkaError.GROUP_ID_NOT_FOUND:
                 return 0
             raise
         return len(description.members or [])
+
+
+_COORDINATOR_MOVING = frozenset({KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_NOT_AVAILABLE,
+                                 KafkaError.COORDINATOR_LOAD_IN_PROGRESS})
+
+
+def _code(exc: KafkaException) -> int | None:
+    error = exc.args[0] if exc.args else None
+    return error.code() if isinstance(error, KafkaError) else None
+
+
+def _coordinator_moving(exc: KafkaException) -> bool:
+    return _code(exc) in _COORDINATOR_MOVING

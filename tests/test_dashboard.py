@@ -41,6 +41,7 @@ from stepstream.http.app import create_app
 from stepstream.http.settings import ApiSettings
 from stepstream.http.writer import TaskWriter
 from stepstream.http.writes import write_router
+from stepstream.presence import Presence
 from tests.histories import histories, publish
 from tests.kafka_helpers import wait_for
 from tests.test_task_api import requests_on_inbox
@@ -117,8 +118,10 @@ def serving(app: FastAPI) -> Iterator[str]:
 
 @pytest.fixture
 def api_url(store: SqliteStore, bootstrap: str, layout: TopicLayout) -> Iterator[str]:
-    """The read-only API (no token configured, so no writes), as ``stepstream serve api`` without tokens."""
-    with serving(create_app(store, layout, LagReader(bootstrap, layout.prefix, cache_s=0.2))) as url:
+    """The read-only API (no token configured, so no writes), as ``stepstream serve api`` without tokens: lag
+    and the agents' presence read from the broker (no agent runs, so the page names the workflows' agent)."""
+    with serving(create_app(store, layout, LagReader(bootstrap, layout.prefix, cache_s=0.2),
+                            presence=Presence.of(WAITING_REGISTRY, bootstrap, layout))) as url:
         yield url
 
 
@@ -166,7 +169,8 @@ def operator_dashboard(browser: Browser, store: SqliteStore, bootstrap: str, lay
                         admission=GlobalAdmission(store, lag, layout, settings.max_in_flight,
                                                   settings.admission_refresh_s), settings=settings)
     try:
-        with serving(create_app(store, layout, lag, [write_router(writer, settings)])) as url, \
+        with serving(create_app(store, layout, lag, [write_router(writer, settings)],
+                                Presence.of(WAITING_REGISTRY, bootstrap, layout))) as url, \
                 page_on(browser, url) as opened:
             yield opened
     finally:
@@ -239,6 +243,8 @@ def test_every_table_filled_shows_what_the_api_reports_and_no_browser_error(
     assert all(expected.values()) and not any(dashboard.shows_none(t) for t in TABLES), expected
     assert f"{layout.prefix}reader" in page.inner_text("#lag")
     assert int(page.inner_text("#throughput-total")) == api.get("/api/throughput").json()["total"]
+    assert [a["reason"] for a in api.get("/api/agents").json()["items"]] == ["no agent running for `payments`"]
+    assert page.inner_text("#agents") == "no agent running for `payments`"
 
     first_task = api.get("/api/tasks?limit=1").json()["items"][0]["task_id"]
     page.locator("#tasks tbody tr").first.click()

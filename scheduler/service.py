@@ -635,6 +635,13 @@ def _marked_answer(step: Step, compensation: bool) -> list[str]:
     return sorted(step.sensitive_output) if step.sensitive_output else []
 
 
+def scheduler_transactional_id(layout: TopicLayout, instance: str) -> str:
+    """The transactional id of the scheduler named ``instance``: a stable name lets a restarted scheduler fence
+    its own zombie at once. Tools that look for its transaction coordinator (the broker-kill runs) derive it
+    here too."""
+    return f"{layout.prefix}scheduler-{instance}"
+
+
 def build_scheduler(kafka: KafkaSettings, consumer: ConsumerSettings, registry: WorkflowRegistry,
                     limits: Limits, instance: str | None = None,
                     stop_event: threading.Event | None = None, keyring: Keyring | None = None) -> ConsumerRuntime:
@@ -645,8 +652,7 @@ def build_scheduler(kafka: KafkaSettings, consumer: ConsumerSettings, registry: 
                           stop=stop_event)
     scheduler.create_agent_topics()
     threading.Thread(target=scheduler.timers.run, name="timers", daemon=True).start()
-    # A stable instance name lets a restarted scheduler fence its own zombie at once.
-    transactional_id = f"{layout.prefix}scheduler-{instance or uuid.uuid4().hex}"
+    transactional_id = scheduler_transactional_id(layout, instance or uuid.uuid4().hex)
 
     runtime = ConsumerRuntime(
         bootstrap=bootstrap,

@@ -306,6 +306,9 @@ class LocalBroker:
             "transaction.state.log.replication.factor": min(replicas, 3),
             "transaction.state.log.min.isr": min_insync_replicas(replicas),
             "transaction.state.log.num.partitions": 10,
+            # A transaction left open past its timeout (10 s: a producer hung or SIGKILLed) is aborted within a
+            # second of it, not up to ten (the default scan interval): read_committed readers move on sooner.
+            "transaction.abort.timed.out.transaction.cleanup.interval.ms": 1000,
             "share.coordinator.state.topic.replication.factor": min(replicas, 3),
             "share.coordinator.state.topic.min.isr": min_insync_replicas(replicas),
             "group.initial.rebalance.delay.ms": 0,

@@ -22,6 +22,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any, NamedTuple
 
 import structlog
@@ -364,7 +365,8 @@ class ConsumerRuntime:
         attempt = 0
         while True:
             try:
-                self.output.init_transactions(self.settings.transaction_timeout_s)
+                with self._call_guard("init_transactions"):
+                    self.output.init_transactions(self.settings.transaction_timeout_s)
                 return
             except KafkaException as exc:
                 if is_fatal(exc) or not is_retriable(exc):
@@ -374,15 +376,20 @@ class ConsumerRuntime:
                 time.sleep(backoff_delay(attempt, self.settings.retry_initial_backoff_s,
                                          self.settings.retry_max_backoff_s, self._rng))
 
+    def _call_guard(self, what: str) -> AbstractContextManager[None]:
+        """One call into librdkafka's transactions or group coordinator, given ``transaction_timeout_s``: still
+        blocked past ``commit_stall_s`` it is hung, not slow (eventstore.stall), and the process ends for a
+        restart. Each call is guarded on its own, so a hang is caught that long after it began, however many
+        calls (retries included) came before it."""
+        return stall_guard(self.settings.commit_stall_s, what)
+
     def _commit_transaction(self, offsets: list[TopicPartition]) -> None:
         """Commit the batch's transaction with its offsets; if it fails, abort it and read the batch again.
 
         Each call is bounded by ``transaction_timeout_s``, past which the coordinator would abort the transaction
-        anyway; a commit librdkafka says may go on (retriable, not requiring an abort) is tried again. The whole
-        runs under the stall guard: librdkafka can block past its own timeout (eventstore.stall).
+        anyway; a commit librdkafka says may go on (retriable, not requiring an abort) is tried again.
         """
-        with stall_guard(self.settings.commit_stall_s, "transaction commit"):
-            failure = self._try_commit(offsets)
+        failure = self._try_commit(offsets)
         if failure is None:
             self._in_transaction = False
             if self._on_commit is not None:
@@ -396,14 +403,16 @@ class ConsumerRuntime:
         """None once committed; the error that calls for an abort otherwise (a fatal one raises RestartRequired)."""
         timeout_s = self.settings.transaction_timeout_s
         try:
-            self.output.send_offsets(offsets, self._consumer.consumer_group_metadata(), timeout_s)
+            with self._call_guard("send_offsets_to_transaction"):
+                self.output.send_offsets(offsets, self._consumer.consumer_group_metadata(), timeout_s)
         except KafkaException as exc:
             self._check_recoverable(exc)
             return exc
         attempt = 0
         while True:
             try:
-                self.output.commit(timeout_s)
+                with self._call_guard("commit_transaction"):
+                    self.output.commit(timeout_s)
                 return None
             except KafkaException as exc:
                 self._check_recoverable(exc)
@@ -416,25 +425,23 @@ class ConsumerRuntime:
     def _abort(self) -> None:
         """Abort the open transaction (trying again while librdkafka says it may still work), rewind to the
         committed offsets and tell the service to drop what it derived from the batch."""
-        with stall_guard(self.settings.commit_stall_s, "transaction abort"):  # the same coordinator, the same hang
-            attempt = 0
-            while True:
-                try:
+        attempt = 0
+        while True:
+            try:
+                with self._call_guard("abort_transaction"):  # the same coordinator, the same hang
                     self.output.abort(self.settings.transaction_timeout_s)
-                    break
-                except KafkaException as exc:
-                    self._check_recoverable(exc)
-                    if not is_retriable(exc):
-                        raise self._restart_required(exc, "the transaction can be neither committed nor aborted") \
-                            from exc
-                    attempt += 1
-                    log.warning("transaction abort not finished; trying again", attempt=attempt,
-                                error=kafka_reason(exc))
-            self._in_transaction = False
-            self._done.clear()
-            self._processed.clear()
-            TRANSACTIONS_ABORTED.labels(self.group_id).inc()
-            self._rewind_to_committed()
+                break
+            except KafkaException as exc:
+                self._check_recoverable(exc)
+                if not is_retriable(exc):
+                    raise self._restart_required(exc, "the transaction can be neither committed nor aborted") from exc
+                attempt += 1
+                log.warning("transaction abort not finished; trying again", attempt=attempt, error=kafka_reason(exc))
+        self._in_transaction = False
+        self._done.clear()
+        self._processed.clear()
+        TRANSACTIONS_ABORTED.labels(self.group_id).inc()
+        self._rewind_to_committed()
         if self._on_abort is not None:
             self._on_abort()
 
@@ -454,14 +461,15 @@ class ConsumerRuntime:
 
     def _rewind_to_committed(self) -> None:
         """Seek every assigned partition back to its committed offset, asking the group coordinator again while
-        it is moving (a broker's failover); the caller's stall guard bounds the wait."""
+        it is moving (a broker's failover)."""
         assignment = self._consumer.assignment()
         if not assignment:
             return
         attempt = 0
         while True:
             try:
-                committed = self._consumer.committed(assignment, timeout=self.settings.transaction_timeout_s)
+                with self._call_guard("committed offsets"):
+                    committed = self._consumer.committed(assignment, timeout=self.settings.transaction_timeout_s)
                 break
             except KafkaException as exc:
                 attempt += 1

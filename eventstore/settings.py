@@ -151,11 +151,11 @@ class ConsumerSettings(BaseSettings):
                     "dies is aborted by its coordinator after this long, so read_committed readers of the partitions "
                     "it wrote wait that long at most, not the 60 s librdkafka's default would hold them")
     commit_stall_s: float = Field(
-        default=25.0, gt=0,
-        description="how long a transaction's commit or abort (its retries included) may block before the process "
-                    "exits 75 for a restart (eventstore.stall); above twice the calls' own timeouts "
-                    "(``transaction_timeout_s``), so only a hang fires it, and low enough that a hung process's "
-                    "partitions move well within a minute")
+        default=15.0, gt=0,
+        description="how long one call into librdkafka's transactions (send offsets, commit, abort, init) may block "
+                    "before the process exits 75 for a restart (eventstore.stall); above ``transaction_timeout_s``, "
+                    "which each call is given, so only a hang fires it, and short, because while a process hangs "
+                    "its group's rebalances wait for it")
 
 
 class ObservabilitySettings(BaseSettings):

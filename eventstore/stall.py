@@ -4,16 +4,16 @@
 (confluentinc/librdkafka#5456, #5511): a scheduler was seen sitting in it for minutes after a broker SIGKILL, its
 partitions owned and never read again. Worse, it stays in its consumer group meanwhile (librdkafka heartbeats
 from a thread of its own), so the rebalance that the coordinator's move starts waits for it, and the other
-schedulers stop too: in a broker-kill run with the guard at its old 75 s, every task waited 93 s. Nothing inside
+schedulers stop too (with the guard at 75 s, a broker-kill run left every task waiting 93 s). Nothing inside
 the process can cancel that call: librdkafka refuses a second transactional call while one is in progress, so
 another thread cannot abort the transaction, and a fresh producer in the same process would leave the main loop
-stuck in the old one. So past a deadline (``STEPSTREAM_CONSUMER_COMMIT_STALL_S``, 25 s: above twice the calls'
-own timeouts, ``STEPSTREAM_CONSUMER_TRANSACTION_TIMEOUT_S``, so a call librdkafka ends in time never fires it)
-the guard ends the process (``EXIT_STALLED``), which is what it is for: the supervisor (``stepstream up``,
-compose's ``restart: unless-stopped``, an orchestrator, the tests' ``System``) starts it again, the new instance's
-transactional id fences the stuck transaction (its coordinator has aborted it already if the transaction timeout
-passed), and the group moves its partitions once its session times out. Nothing is lost: the offsets were not
-committed, so the batch is read again.
+stuck in the old one. So past a deadline (``STEPSTREAM_CONSUMER_COMMIT_STALL_S``, 15 s a call: above the
+transaction timeout each call is given, ``STEPSTREAM_CONSUMER_TRANSACTION_TIMEOUT_S``, so a call librdkafka ends in
+time never fires it) the guard ends the process (``EXIT_STALLED``), which is what it is for: the supervisor
+(``stepstream up``, compose's ``restart: unless-stopped``, an orchestrator, the tests' ``System``) starts it again,
+the new instance's transactional id fences the stuck transaction (its coordinator has aborted it already if the
+transaction timeout passed), and the group moves its partitions once its session times out. Nothing is lost: the
+offsets were not committed, so the batch is read again.
 """
 
 from __future__ import annotations

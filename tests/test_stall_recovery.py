@@ -39,7 +39,7 @@ def test_a_scheduler_hung_in_its_commit_exits_stalled_and_its_restart_ends_every
     assert marker.exists(), "a commit hung"
     [(name, said)] = system.stall_restarts
     assert name == "scheduler", system.logs_tail()
-    assert "stalled: ending the process for a restart" in said and '"what": "transaction commit"' in said
+    assert "stalled: ending the process for a restart" in said and '"what": "send_offsets_to_transaction"' in said
     assert f'"exit_code": {EXIT_STALLED}' in said
     assert set(statuses.values()) == {"completed"}, statuses
     assert not disagreements(system, statuses, ids)

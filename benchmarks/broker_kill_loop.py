@@ -6,11 +6,11 @@ Run by hand from the project folder (``make soak`` runs it with ``--runs 5``)::
 
 Each run is tests/broker_kill.py's: two of every service (fresh topics at replication factor 3, a fresh
 PostgreSQL database, a fresh order service) on one three-broker cluster kept across the runs; once a random share
-of the tasks ended, the transaction coordinator of one scheduler is SIGKILLed, and started again after every task
-ended. Reported per run: the broker's roles, the tasks unfinished at the kill, the seconds from the kill until
+of the tasks ended, the transaction coordinator of one scheduler is SIGKILLed; it is started again before the next
+run. Reported per run: the broker's roles, the tasks unfinished at the kill, the seconds from the kill until
 every task was terminal in the store and until every unfinished one had a new event, outcomes, tasks whose end
 disagrees with the order service's records (must be 0), whether ``projections verify`` found the store equal,
-services restarted after a stall or ended for good, and the 1-minute load average at the kill's run start.
+services restarted after a stall or ended for good, and the 1-minute load average at the run's start.
 Then p50 and max over the runs. Progress goes to stderr, a table to stdout; the last line is one JSON object.
 """
 
@@ -107,6 +107,9 @@ def main() -> None:
             if args.logs is not None:
                 shutil.copytree(tmp, args.logs / tmp.name, ignore=shutil.ignore_patterns("home"), dirs_exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
+            for node in cluster.nodes:  # the broker killed comes back, and the next run finds three
+                if node.status() is None:
+                    node.start()
     finally:
         cluster.stop()
         postgres.stop()

@@ -68,6 +68,9 @@ Handler = Callable[[Record, EventProducer], None]
 
 
 PartitionCallback = Callable[[list[TopicPartition]], None]
+# Prepares newly assigned partitions off the loop; the second argument says whether a partition is still assigned
+# in the assignment being prepared (not revoked since, nor assigned again with a preparation of its own).
+PrepareCallback = Callable[[list[TopicPartition], Callable[[TopicPartition], bool]], None]
 # May return the partitions with the offsets to start from (a store that keeps its own offsets).
 AssignCallback = Callable[[list[TopicPartition]], list[TopicPartition] | None]
 
@@ -108,7 +111,7 @@ class ConsumerRuntime:
         codec: Codec | None = None,
         transactional_id: str | None = None,
         on_assign: AssignCallback | None = None,
-        on_assign_paused: PartitionCallback | None = None,
+        on_assign_paused: PrepareCallback | None = None,
         on_revoke: PartitionCallback | None = None,
         on_abort: Callable[[], None] | None = None,
         on_commit: Callable[[], None] | None = None,
@@ -129,7 +132,9 @@ class ConsumerRuntime:
         # a thread of its own while the partition is paused, and the loop resumes the partition once it is
         # done: a long one neither holds up the other partitions nor keeps the loop from polling, so it cannot
         # outlast max.poll.interval.ms and cost the group a rebalance. Each assignment gets a generation, so
-        # the work of an assignment revoked meanwhile never resumes a later one.
+        # the work of an assignment revoked meanwhile never resumes a later one, and the work itself can ask
+        # whether its partition is still its own before it installs anything (a slow preparation can outlive
+        # its assignment and overlap the next one's).
         self._on_assign_paused = on_assign_paused
         self._preparing: dict[tuple[str, int], int] = {}
         self._prepared: queue.SimpleQueue[tuple[list[TopicPartition], int, BaseException | None]] = \
@@ -510,8 +515,13 @@ class ConsumerRuntime:
     def _prepare(self, partitions: list[TopicPartition], generation: int) -> None:
         assert self._on_assign_paused is not None
         failure: BaseException | None = None
+
+        def current(tp: TopicPartition) -> bool:
+            """Still assigned in this generation: a revocation pops the entry, a new assignment replaces it."""
+            return self._preparing.get((tp.topic, tp.partition)) == generation
+
         try:
-            self._on_assign_paused(partitions)
+            self._on_assign_paused(partitions, current)
         except BaseException as exc:  # handed to the loop, which stops the service with it
             failure = exc
         self._prepared.put((partitions, generation, failure))

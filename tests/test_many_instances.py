@@ -5,9 +5,9 @@ Topics have three replicas (``min.insync.replicas`` 2); two schedulers, two of e
 agent, two projectors writing one PostgreSQL store and two supervisors share the partitions. The order service
 errs now and then and refuses some shipments for good (those tasks compensate). Once a random share of the tasks
 ended, the transaction coordinator of one of the schedulers is SIGKILLed (tests/broker_kill.py) and stays down
-until every task ended; then it is started again. Every task must be terminal within a minute of the kill, its
-end agreeing with the service's records (nothing applied twice: tests/agreement.py), no service may have died
-for good, and ``stepstream projections verify`` must find the store equal to a replay of the log.
+for the rest of the run. Every task must be terminal within a minute of the kill, its end agreeing with the
+service's records (nothing applied twice: tests/agreement.py), no service may have died for good, and
+``stepstream projections verify`` must find the store equal to a replay of the log.
 
 ``STEPSTREAM_SOAK_TASKS`` sets the number of tasks (default 24); ``benchmarks/broker_kill_loop.py`` runs the
 same through many kills and reports the times.

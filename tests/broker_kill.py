@@ -5,9 +5,9 @@ verdict) and benchmarks/broker_kill_loop.py (its figures over many runs).
 The broker killed is the transaction coordinator of one of the two schedulers (the leader of the
 ``__transaction_state`` partition its transactional id hashes to), found again in every run since the topic
 prefix, and so the id, is new each time: the broker whose loss can leave a scheduler unable to finish a
-transaction. The moment is random: once a random share of the tasks (by default a tenth to a half) ended. The broker stays
-down through the rest of the run, so the failover alone must carry the tasks; the store is verified against a
-replay of the log on the two brokers left (the loop starts it again before its next run).
+transaction. The moment is random: once a random share of the tasks (by default a tenth to a half) ended. The
+broker stays down through the rest of the run, so the failover alone must carry the tasks; the store is verified
+against a replay of the log on the two brokers left (the loop starts it again before its next run).
 
 What a run measures, from the SIGKILL: ``ended_after_kill_s``, until every task was terminal in the store, and
 ``moved_after_kill_s``, until every task unfinished at the kill had a new event on ``events`` (its
@@ -138,8 +138,9 @@ class KillRun:
 def run_through_kill(system: System, cluster: LocalCluster, *, tasks: int, rng: random.Random,
                      patience_s: float, kill_between: tuple[float, float] = (0.1, 0.5)) -> KillRun:
     """Start two of every service, submit ``tasks`` orders, SIGKILL a scheduler's transaction coordinator once a
-    random share of them (drawn from ``kill_between``) ended, wait up to ``patience_s`` for every task to end, and judge: each end against the
-    order service's records, the store against a replay of the log. The broker is left down."""
+    random share of them (drawn from ``kill_between``) ended, wait up to ``patience_s`` for every task to end,
+    and judge: each end against the order service's records, the store against a replay of the log. The broker
+    is left down."""
     began = time.monotonic()
     system.admin.set_faults(error_rate=0.05)
     system.admin.set_faults("shipping/create", error_rate=0.05, permanent_error_rate=REFUSED_SHARE)

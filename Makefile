@@ -32,11 +32,13 @@ $(PROMTOOL):
 test: jars $(PROMTOOL)
 	$(PY) -m pytest
 
-# The soak runs kept out of `make test`'s 15 minutes: two of every service on three brokers, one SIGKILLed;
-# tasks waiting out services and a broker SIGKILLed every few seconds.
+# The soak runs kept out of `make test`'s 15 minutes: two of every service on three brokers through a coordinator's
+# SIGKILL with more tasks; tasks waiting out services and a broker SIGKILLed every few seconds; and the loop of
+# coordinator kills (STEPSTREAM_KILL_RUNS runs), whose figures end in one JSON line.
 soak: jars
 	STEPSTREAM_SOAK_TASKS=$${STEPSTREAM_SOAK_TASKS:-40} $(PY) -m pytest -n 0 tests/test_many_instances.py \
 		tests/test_waiting_out_kills.py
+	$(PY) -m benchmarks.broker_kill_loop --runs $${STEPSTREAM_KILL_RUNS:-5}
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

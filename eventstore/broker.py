@@ -306,11 +306,20 @@ class LocalBroker:
             "transaction.state.log.replication.factor": min(replicas, 3),
             "transaction.state.log.min.isr": min_insync_replicas(replicas),
             "transaction.state.log.num.partitions": 10,
+            # A transaction left open past its timeout (10 s: a producer hung or SIGKILLed) is aborted within a
+            # second of it, not up to ten (the default scan interval): read_committed readers move on sooner.
+            "transaction.abort.timed.out.transaction.cleanup.interval.ms": 1000,
             "share.coordinator.state.topic.replication.factor": min(replicas, 3),
             "share.coordinator.state.topic.min.isr": min_insync_replicas(replicas),
             "group.initial.rebalance.delay.ms": 0,
             "log.retention.hours": -1,
         }
+        if replicas > 1:
+            # A SIGKILLed node's partitions (and the coordinators on it) move once the controller fences it, after
+            # broker.session.timeout.ms without its heartbeat: 4.5 s instead of 9, well inside the 10 s transaction
+            # timeout, so a transaction caught by the kill still commits or aborts in its process instead of being
+            # aborted by its coordinator and its producer fenced. (A single node fences nobody else.)
+            settings.update({"broker.session.timeout.ms": 4500, "broker.heartbeat.interval.ms": 1000})
         if self.sasl_users:
             settings.update(self._sasl_settings(port, controller_port))
         self._properties.write_text("".join(f"{k}={v}\n" for k, v in settings.items()))

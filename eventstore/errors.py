@@ -38,6 +38,13 @@ class PoisonMessageError(StepstreamError):
         self.reason = reason
 
 
+class RestartRequired(StepstreamError):
+    """The process cannot go on, and a fresh one can: its transactional producer is fenced or broken, or a
+    transaction could be neither committed nor aborted. The service exits 75 (``eventstore.stall.EXIT_STALLED``)
+    for its supervisor to start it again; the new instance's ``init_transactions`` ends whatever transaction
+    this one left open, and its restore reads only what was committed."""
+
+
 class DrainTimeoutError(StepstreamError):
     """In-flight work did not finish within the drain timeout after SIGTERM."""
 

@@ -73,12 +73,15 @@ def producer_config(bootstrap: str, **extra: Any) -> dict[str, Any]:
 
 
 def transactional_config(bootstrap: str, transactional_id: str, **extra: Any) -> dict[str, Any]:
+    # A transaction left open (its producer hung or dead) holds back every read_committed reader of the
+    # partitions it wrote until its coordinator aborts it: 10 s (ConsumerSettings.transaction_timeout_s), not
+    # librdkafka's 60 s. librdkafka derives message.timeout.ms and socket.timeout.ms from it.
     # The broker often answers CONCURRENT_TRANSACTIONS right after a commit; librdkafka's default 100 ms
     # back-off before retrying then stalls every batch. 10 ms halves the commit time on a local broker.
     # Every delivery is reported: where a committed transaction's records landed is how far the scheduler's
     # changelog reflects ``events`` (``EventProducer.delivered_ends``).
     return producer_config(bootstrap, **{"transactional.id": transactional_id,
-                                          "transaction.timeout.ms": 60000, "retry.backoff.ms": 10,
+                                          "transaction.timeout.ms": 10000, "retry.backoff.ms": 10,
                                           "delivery.report.only.error": False, **extra})
 
 

@@ -30,9 +30,12 @@ BUFFERED_PER_PARTITION = 5000
 LEADERSHIP_MOVING = frozenset({
     KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE, KafkaError.FENCED_LEADER_EPOCH,
     KafkaError.UNKNOWN_LEADER_EPOCH, KafkaError.REPLICA_NOT_AVAILABLE, KafkaError._TRANSPORT,
+    KafkaError._DESTROY_BROKER,
 })
 """Errors a watermark query gets while a partition's leadership moves (a broker lost or back, a preferred
-leader elected): librdkafka refreshes its metadata, and the same query asked again reaches the new leader."""
+leader elected): librdkafka refreshes its metadata, and the same query asked again reaches the new leader.
+``_DESTROY_BROKER``: a query that was on its way to a broker gone from the metadata (a SIGKILLed node once the
+controller fenced it), whose handle librdkafka dropped."""
 
 
 def watermarks(consumer: Any, tp: TopicPartition, timeout_s: float = 30.0) -> tuple[int, int]:

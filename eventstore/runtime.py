@@ -22,6 +22,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any, NamedTuple
 
 import structlog
@@ -30,9 +31,9 @@ from confluent_kafka import Message as KafkaMessage
 from prometheus_client import Counter, Histogram
 
 from eventstore.dlq import dlq_headers
-from eventstore.errors import InfrastructureError, PoisonMessageError
+from eventstore.errors import InfrastructureError, PoisonMessageError, RestartRequired
 from eventstore.health import HEALTH
-from eventstore.kafka_config import consume_available, consumer_config
+from eventstore.kafka_config import consume_available, consumer_config, kafka_reason
 from eventstore.metrics import (
     CONSUMER_LAG,
     DEAD_LETTERS,
@@ -41,10 +42,10 @@ from eventstore.metrics import (
     MESSAGES_PROCESSED,
     TRANSACTIONS_ABORTED,
 )
-from eventstore.producer import EventProducer, is_fatal, requires_abort
+from eventstore.producer import EventProducer, is_fatal, is_retriable, requires_abort
 from eventstore.settings import ConsumerSettings
 from eventstore.shutdown import GracefulShutdown
-from eventstore.stall import stall_guard
+from eventstore.stall import EXIT_STALLED, stall_guard
 from schemas.codec import Codec, default_codec
 from schemas.errors import DecodeError
 from schemas.messages import Message
@@ -67,6 +68,9 @@ Handler = Callable[[Record, EventProducer], None]
 
 
 PartitionCallback = Callable[[list[TopicPartition]], None]
+# Prepares newly assigned partitions off the loop; the second argument says whether a partition is still assigned
+# in the assignment being prepared (not revoked since, nor assigned again with a preparation of its own).
+PrepareCallback = Callable[[list[TopicPartition], Callable[[TopicPartition], bool]], None]
 # May return the partitions with the offsets to start from (a store that keeps its own offsets).
 AssignCallback = Callable[[list[TopicPartition]], list[TopicPartition] | None]
 
@@ -107,7 +111,7 @@ class ConsumerRuntime:
         codec: Codec | None = None,
         transactional_id: str | None = None,
         on_assign: AssignCallback | None = None,
-        on_assign_paused: PartitionCallback | None = None,
+        on_assign_paused: PrepareCallback | None = None,
         on_revoke: PartitionCallback | None = None,
         on_abort: Callable[[], None] | None = None,
         on_commit: Callable[[], None] | None = None,
@@ -128,7 +132,9 @@ class ConsumerRuntime:
         # a thread of its own while the partition is paused, and the loop resumes the partition once it is
         # done: a long one neither holds up the other partitions nor keeps the loop from polling, so it cannot
         # outlast max.poll.interval.ms and cost the group a rebalance. Each assignment gets a generation, so
-        # the work of an assignment revoked meanwhile never resumes a later one.
+        # the work of an assignment revoked meanwhile never resumes a later one, and the work itself can ask
+        # whether its partition is still its own before it installs anything (a slow preparation can outlive
+        # its assignment and overlap the next one's).
         self._on_assign_paused = on_assign_paused
         self._preparing: dict[tuple[str, int], int] = {}
         self._prepared: queue.SimpleQueue[tuple[list[TopicPartition], int, BaseException | None]] = \
@@ -159,9 +165,11 @@ class ConsumerRuntime:
         if self.exactly_once:
             overrides["enable.auto.commit"] = False
         self._consumer = Consumer(consumer_config(bootstrap, group_id, self.settings, **overrides))
-        self.output = EventProducer(bootstrap, self.codec, transactional_id=transactional_id)
+        transaction = ({"transaction.timeout.ms": round(self.settings.transaction_timeout_s * 1000)}
+                       if self.exactly_once else {})
+        self.output = EventProducer(bootstrap, self.codec, transactional_id=transactional_id, **transaction)
         if self.exactly_once:
-            self.output.init_transactions()
+            self._init_transactions()
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -213,7 +221,8 @@ class ConsumerRuntime:
                 self._commit_sync()
         finally:
             self._consumer.close()
-            self.output.flush()
+            if not self.exactly_once:  # a transaction's commit delivers its output; an unfinished one is void
+                self.output.flush()
             log.info("consumer closed", group=self.group_id)
 
     # -- batches ------------------------------------------------------------------------------
@@ -355,25 +364,84 @@ class ConsumerRuntime:
                 time.sleep(backoff_delay(attempt, self.settings.retry_initial_backoff_s,
                                          self.settings.retry_max_backoff_s, self._rng))
 
+    def _init_transactions(self) -> None:
+        """Fence any transaction an earlier instance with this transactional id left open, waiting out a
+        coordinator that is not reachable yet (a restart during a broker's failover): a pause, not an end."""
+        attempt = 0
+        while True:
+            try:
+                with self._call_guard("init_transactions"):
+                    self.output.init_transactions(self.settings.transaction_timeout_s)
+                return
+            except KafkaException as exc:
+                if is_fatal(exc) or not is_retriable(exc):
+                    raise
+                attempt += 1
+                log.warning("transactions not initialised yet; retrying", attempt=attempt, error=kafka_reason(exc))
+                time.sleep(backoff_delay(attempt, self.settings.retry_initial_backoff_s,
+                                         self.settings.retry_max_backoff_s, self._rng))
+
+    def _call_guard(self, what: str) -> AbstractContextManager[None]:
+        """One call into librdkafka's transactions or group coordinator, given ``transaction_timeout_s``: still
+        blocked past ``commit_stall_s`` it is hung, not slow (eventstore.stall), and the process ends for a
+        restart. Each call is guarded on its own, so a hang is caught that long after it began, however many
+        calls (retries included) came before it."""
+        return stall_guard(self.settings.commit_stall_s, what)
+
     def _commit_transaction(self, offsets: list[TopicPartition]) -> None:
-        try:
-            # Both calls have 30 s timeouts librdkafka does not always keep (eventstore.stall).
-            with stall_guard(self.settings.commit_stall_s, "transaction commit"):
-                self.output.send_offsets(offsets, self._consumer.consumer_group_metadata())
-                self.output.commit()
+        """Commit the batch's transaction with its offsets; if it fails, abort it and read the batch again.
+
+        Each call is bounded by ``transaction_timeout_s``, past which the coordinator would abort the transaction
+        anyway; a commit librdkafka says may go on (retriable, not requiring an abort) is tried again.
+        """
+        failure = self._try_commit(offsets)
+        if failure is None:
             self._in_transaction = False
             if self._on_commit is not None:
                 self._on_commit()
+            return
+        log.warning("transaction failed; aborting and re-reading the batch", error=kafka_reason(failure),
+                    requires_abort=requires_abort(failure))
+        self._abort()
+
+    def _try_commit(self, offsets: list[TopicPartition]) -> KafkaException | None:
+        """None once committed; the error that calls for an abort otherwise (a fatal one raises RestartRequired)."""
+        timeout_s = self.settings.transaction_timeout_s
+        try:
+            with self._call_guard("send_offsets_to_transaction"):
+                self.output.send_offsets(offsets, self._consumer.consumer_group_metadata(), timeout_s)
         except KafkaException as exc:
-            if is_fatal(exc):
-                raise  # fenced by a newer instance, or the producer is broken: exit, a restart recovers
-            log.warning("transaction failed; aborting and re-reading the batch", error=str(exc),
-                        requires_abort=requires_abort(exc))
-            self._abort()
+            self._check_recoverable(exc)
+            return exc
+        attempt = 0
+        while True:
+            try:
+                with self._call_guard("commit_transaction"):
+                    self.output.commit(timeout_s)
+                return None
+            except KafkaException as exc:
+                self._check_recoverable(exc)
+                if requires_abort(exc) or not is_retriable(exc):
+                    return exc
+                attempt += 1
+                log.warning("transaction commit not finished; trying again", attempt=attempt,
+                            error=kafka_reason(exc))
 
     def _abort(self) -> None:
-        with stall_guard(self.settings.commit_stall_s, "transaction abort"):  # the same coordinator, the same hang
-            self.output.abort()
+        """Abort the open transaction (trying again while librdkafka says it may still work), rewind to the
+        committed offsets and tell the service to drop what it derived from the batch."""
+        attempt = 0
+        while True:
+            try:
+                with self._call_guard("abort_transaction"):  # the same coordinator, the same hang
+                    self.output.abort(self.settings.transaction_timeout_s)
+                break
+            except KafkaException as exc:
+                self._check_recoverable(exc)
+                if not is_retriable(exc):
+                    raise self._restart_required(exc, "the transaction can be neither committed nor aborted") from exc
+                attempt += 1
+                log.warning("transaction abort not finished; trying again", attempt=attempt, error=kafka_reason(exc))
         self._in_transaction = False
         self._done.clear()
         self._processed.clear()
@@ -382,11 +450,36 @@ class ConsumerRuntime:
         if self._on_abort is not None:
             self._on_abort()
 
+    def _check_recoverable(self, exc: KafkaException) -> None:
+        """Raise RestartRequired for a fatal error: the producer is fenced (a newer instance with this
+        transactional id, or the coordinator aborted the transaction past its timeout) or broken for good."""
+        if is_fatal(exc):
+            raise self._restart_required(exc, "the transactional producer is fenced or broken") from exc
+
+    def _restart_required(self, exc: KafkaException, why: str) -> RestartRequired:
+        """The exception that ends this process for a restart. The open batch is dropped first, so closing the
+        consumer (its revoke callback commits what is done) does not try the transaction again."""
+        self._done.clear()
+        self._in_transaction = False
+        log.error("ending the process for a restart", why=why, error=kafka_reason(exc), exit_code=EXIT_STALLED)
+        return RestartRequired(f"{why}: {kafka_reason(exc)}")
+
     def _rewind_to_committed(self) -> None:
+        """Seek every assigned partition back to its committed offset, asking the group coordinator again while
+        it is moving (a broker's failover)."""
         assignment = self._consumer.assignment()
         if not assignment:
             return
-        for tp in self._consumer.committed(assignment, timeout=30):
+        attempt = 0
+        while True:
+            try:
+                with self._call_guard("committed offsets"):
+                    committed = self._consumer.committed(assignment, timeout=self.settings.transaction_timeout_s)
+                break
+            except KafkaException as exc:
+                attempt += 1
+                log.warning("committed offsets not read; retrying", attempt=attempt, error=kafka_reason(exc))
+        for tp in committed:
             offset = tp.offset if tp.offset >= 0 else -2  # OFFSET_BEGINNING when nothing committed
             self._consumer.seek(TopicPartition(tp.topic, tp.partition, offset))
 
@@ -422,8 +515,13 @@ class ConsumerRuntime:
     def _prepare(self, partitions: list[TopicPartition], generation: int) -> None:
         assert self._on_assign_paused is not None
         failure: BaseException | None = None
+
+        def current(tp: TopicPartition) -> bool:
+            """Still assigned in this generation: a revocation pops the entry, a new assignment replaces it."""
+            return self._preparing.get((tp.topic, tp.partition)) == generation
+
         try:
-            self._on_assign_paused(partitions)
+            self._on_assign_paused(partitions, current)
         except BaseException as exc:  # handed to the loop, which stops the service with it
             failure = exc
         self._prepared.put((partitions, generation, failure))

@@ -144,10 +144,18 @@ class ConsumerSettings(BaseSettings):
     retry_initial_backoff_s: float = Field(default=0.2, gt=0)
     retry_max_backoff_s: float = Field(default=10.0, gt=0)
     session_timeout_ms: int = Field(default=10000, ge=1000)
+    transaction_timeout_s: float = Field(
+        default=10.0, gt=0,
+        description="exactly-once: the transaction timeout (``transaction.timeout.ms``; Kafka Streams' default too) "
+                    "and each transactional call's own timeout. A transaction left open by a process that hangs or "
+                    "dies is aborted by its coordinator after this long, so read_committed readers of the partitions "
+                    "it wrote wait that long at most, not the 60 s librdkafka's default would hold them")
     commit_stall_s: float = Field(
-        default=75.0, gt=0,
-        description="how long a transaction's commit or abort may block before the process exits 75 for a "
-                    "restart (eventstore.stall); above twice the calls' own 30 s timeouts, so only a hang fires it")
+        default=15.0, gt=0,
+        description="how long one call into librdkafka's transactions (send offsets, commit, abort, init) may block "
+                    "before the process exits 75 for a restart (eventstore.stall); above ``transaction_timeout_s``, "
+                    "which each call is given, so only a hang fires it, and short, because while a process hangs "
+                    "its group's rebalances wait for it")
 
 
 class ObservabilitySettings(BaseSettings):

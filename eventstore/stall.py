@@ -1,16 +1,19 @@
 """A guard for calls into librdkafka that can block past their own timeout.
 
 ``send_offsets_to_transaction`` ignores its timeout when the group coordinator's broker dies
-(confluentinc/librdkafka#5456): a scheduler was seen sitting in it for minutes after a broker SIGKILL, its
-partitions owned and never read again, while the rest of the group waited for it. Nothing inside the process
-can cancel that call: librdkafka refuses a second transactional call while one is in progress, so another
-thread cannot abort the transaction, and a fresh producer in the same process would leave the main loop stuck
-in the old one. The broker aborts the transaction when a successor with the same transactional id fences it
-(or its ``transaction.timeout.ms`` runs out). So past a deadline (``STEPSTREAM_CONSUMER_COMMIT_STALL_S``) the
-guard ends the process (``EXIT_STALLED``), which is what it is for: the supervisor (``stepstream up``,
-compose's ``restart: unless-stopped``, an orchestrator, the tests' ``System``) starts it again, the new
-instance's transactional id fences the stuck transaction, and the group moves its partitions in the meantime.
-Nothing is lost: the offsets were not committed, so the batch is read again.
+(confluentinc/librdkafka#5456, #5511): a scheduler was seen sitting in it for minutes after a broker SIGKILL, its
+partitions owned and never read again. Worse, it stays in its consumer group meanwhile (librdkafka heartbeats
+from a thread of its own), so the rebalance that the coordinator's move starts waits for it, and the other
+schedulers stop too (with the guard at 75 s, a broker-kill run left every task waiting 93 s). Nothing inside
+the process can cancel that call: librdkafka refuses a second transactional call while one is in progress, so
+another thread cannot abort the transaction, and a fresh producer in the same process would leave the main loop
+stuck in the old one. So past a deadline (``STEPSTREAM_CONSUMER_COMMIT_STALL_S``, 15 s a call: above the
+transaction timeout each call is given, ``STEPSTREAM_CONSUMER_TRANSACTION_TIMEOUT_S``, so a call librdkafka ends in
+time never fires it) the guard ends the process (``EXIT_STALLED``), which is what it is for: the supervisor
+(``stepstream up``, compose's ``restart: unless-stopped``, an orchestrator, the tests' ``System``) starts it again,
+the new instance's transactional id fences the stuck transaction (its coordinator has aborted it already if the
+transaction timeout passed), and the group moves its partitions once its session times out. Nothing is lost: the
+offsets were not committed, so the batch is read again.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import threading
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -169,10 +170,10 @@ class Scheduler:
         self._saving: set[int] = set()
         # Records read by the last restore of each partition: what a restore costs (logged, and benchmarked).
         self.restored_records: dict[int, int] = {}
-        # Restores run on the runtime's preparing thread: a revocation (on the loop's thread) moves a partition's
-        # epoch on, and a restore installs its fold only if the epoch it began in is still current.
+        # Restores run on the runtime's preparing thread and install their fold only while the runtime says the
+        # partition is still theirs; a revocation (``forget``, on the loop's thread) takes the same lock, so it
+        # comes wholly before an install or wholly after it, and clears what it installed.
         self._ownership = threading.Lock()
-        self._epochs: dict[int, int] = {}
         # Quarantines found while restoring are recorded at once, outside the consumer's transactions: a
         # restore runs before any batch, and a quarantine already on the log is never recorded twice.
         self._recorder = EventProducer(bootstrap)
@@ -471,21 +472,25 @@ class Scheduler:
 
     # -- partition ownership ------------------------------------------------------------------
 
-    def restore(self, partitions: list[TopicPartition]) -> None:
+    def restore(self, partitions: list[TopicPartition],
+                still_assigned: Callable[[TopicPartition], bool] = lambda _tp: True) -> None:
         """Restore each newly owned partition from the changelog and the events it does not reflect yet
         (``scheduler.restore``) before any of its commands is handled.
 
         Runs on the runtime's preparing thread while the partitions are paused (``on_assign_paused``); the
-        loop goes on polling meanwhile. A partition revoked while it was restored is not installed: its epoch
-        moved on (``forget``), and a later assignment restores it afresh.
+        loop goes on polling meanwhile. A partition no longer ``still_assigned`` when its fold is ready is not
+        installed: it was revoked meanwhile, and a later assignment restores it afresh. (An epoch read as each
+        partition's turn came was not enough: a restore of four partitions, revoked while on its first, read the
+        epoch of the next assignment for the others, installed an empty fold over the one that assignment's own
+        restore had installed and its commands had grown, and the tasks' next commands were dead-lettered as
+        "unknown task".)
         """
         self._ensure_topic(self.layout.scheduler_state_spec())
         for tp in partitions:
-            epoch = self._epochs.get(tp.partition, 0)
             keys, stale, proposals = self._restore_keys(tp.partition)
             restored = restore_partition(self.bootstrap, self.layout, tp.partition, self.sealer, keys)
             with self._ownership:
-                if self._epochs.get(tp.partition, 0) != epoch:
+                if not still_assigned(tp):
                     log.info("partition revoked while restoring", partition=tp.partition)
                     continue
                 self.restored_records[tp.partition] = restored.changelog_records + restored.event_records
@@ -566,7 +571,6 @@ class Scheduler:
     def forget(self, partitions: list[TopicPartition]) -> None:
         with self._ownership:
             for tp in partitions:
-                self._epochs[tp.partition] = self._epochs.get(tp.partition, 0) + 1
                 tasks = self._tasks.pop(tp.partition, None)
                 if tasks is not None:
                     self.timers.forget({state.task_id for state in tasks.live()})
@@ -637,6 +641,13 @@ def _marked_answer(step: Step, compensation: bool) -> list[str]:
     return sorted(step.sensitive_output) if step.sensitive_output else []
 
 
+def scheduler_transactional_id(layout: TopicLayout, instance: str) -> str:
+    """The transactional id of the scheduler named ``instance``: a stable name lets a restarted scheduler fence
+    its own zombie at once. Tools that look for its transaction coordinator (the broker-kill runs) derive it
+    here too."""
+    return f"{layout.prefix}scheduler-{instance}"
+
+
 def build_scheduler(kafka: KafkaSettings, consumer: ConsumerSettings, registry: WorkflowRegistry,
                     limits: Limits, instance: str | None = None,
                     stop_event: threading.Event | None = None, keyring: Keyring | None = None) -> ConsumerRuntime:
@@ -647,8 +658,7 @@ def build_scheduler(kafka: KafkaSettings, consumer: ConsumerSettings, registry: 
                           stop=stop_event)
     scheduler.create_agent_topics()
     threading.Thread(target=scheduler.timers.run, name="timers", daemon=True).start()
-    # A stable instance name lets a restarted scheduler fence its own zombie at once.
-    transactional_id = f"{layout.prefix}scheduler-{instance or uuid.uuid4().hex}"
+    transactional_id = scheduler_transactional_id(layout, instance or uuid.uuid4().hex)
 
     runtime = ConsumerRuntime(
         bootstrap=bootstrap,

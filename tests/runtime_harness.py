@@ -18,8 +18,10 @@ FAST = ConsumerSettings(poll_timeout_s=0.1, commit_interval_ms=100, lag_interval
 
 @contextmanager
 def running(bootstrap: str, layout: TopicLayout, topic: str, handler: Handler, *,
-            kind: type[ConsumerRuntime] = ConsumerRuntime, **kwargs: Any) -> Iterator[ConsumerRuntime]:
-    runtime = kind(bootstrap=bootstrap, group_id=f"g-{uuid.uuid4().hex}", topics=[topic],
+            kind: type[ConsumerRuntime] = ConsumerRuntime, group_id: str | None = None,
+            **kwargs: Any) -> Iterator[ConsumerRuntime]:
+    """A runtime of a group of its own, or of ``group_id`` (a second member joining a running one's group)."""
+    runtime = kind(bootstrap=bootstrap, group_id=group_id or f"g-{uuid.uuid4().hex}", topics=[topic],
                    handler=handler, dlq_topic=layout.dlq, settings=FAST, **kwargs)
     errors: list[BaseException] = []
 

@@ -74,8 +74,9 @@ class System:
         self.procs = ServiceProcesses(self.env, tmp / "logs", cwd=ROOT)
         self.producer = EventProducer(bootstrap)
         self.stall_restarts: list[tuple[str, str]] = []
-        """Each service started again after it ended itself stalled, in order, with the line it logged saying
-        what stalled (``eventstore.stall``)."""
+        """Each service started again after it ended itself for a restart (exit 75: a stalled commit,
+        ``eventstore.stall``, or a transaction it could not finish, ``RestartRequired``), in order, with the line
+        it logged saying why."""
         self._procs_lock = threading.Lock()
         self._stopping = threading.Event()
         self._watcher = threading.Thread(target=self._restart_stalled, name="restart-stalled", daemon=True)
@@ -83,13 +84,13 @@ class System:
 
     def _restart_stalled(self) -> None:
         """Start again every service that exited ``EXIT_STALLED``, as ``stepstream up``, compose and an
-        orchestrator do; the stall guard's recovery relies on that restart. Any other exit is left for the
-        test to see: a crash must not pass unnoticed."""
+        orchestrator do; the recovery from a stalled or failed transaction relies on that restart. Any other
+        exit is left for the test to see: a crash must not pass unnoticed."""
         while not self._stopping.wait(0.2):
             with self._procs_lock:
                 for name, proc in list(self.procs.procs.items()):
                     if proc.poll() == EXIT_STALLED:
-                        said = [line for line in self.procs.log(name).splitlines() if "stalled" in line]
+                        said = [line for line in self.procs.log(name).splitlines() if "for a restart" in line]
                         self.stall_restarts.append((name, said[-1] if said else "(nothing logged)"))
                         self.procs.start_again(name)
 

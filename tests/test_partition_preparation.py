@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import pytest
 from confluent_kafka import TopicPartition
@@ -25,7 +26,7 @@ def test_a_partition_is_prepared_off_the_rebalance_callback_while_paused_and_its
     prepared_on: list[str] = []
     handled: list[bool] = []
 
-    def prepare(_partitions: list[TopicPartition]) -> None:
+    def prepare(_partitions: list[TopicPartition], _current: Callable[[TopicPartition], bool]) -> None:
         prepared_on.append(threading.current_thread().name)
         preparing.set()
         assert release.wait(60)
@@ -45,3 +46,38 @@ def test_a_partition_is_prepared_off_the_rebalance_callback_while_paused_and_its
         assert wait_for(lambda: len(handled) == 9, timeout_s=30)
     assert all(handled), "every record was handled after its partition was ready"
     assert prepared_on == ["prepare-partitions"], "prepared on a thread of its own, not in the rebalance callback"
+
+
+def test_a_preparation_that_outlives_its_assignment_is_told_its_partitions_are_no_longer_its_own(
+    bootstrap: str, layout: TopicLayout,
+) -> None:
+    """A second member joins while the first one's preparation of every partition still runs: the rebalance
+    revokes them all and gives some back to the first member, whose new preparation owns those. The old
+    preparation, released afterwards, must see none of its partitions as its own (the scheduler installed an
+    empty fold over a live one when a stale restore could not tell: tasks' commands were then "unknown")."""
+    started: list[threading.Event] = [threading.Event(), threading.Event()]
+    release = threading.Event()
+    seen: list[dict[int, bool]] = []
+
+    def prepare(partitions: list[TopicPartition], current: Callable[[TopicPartition], bool]) -> None:
+        turn = len(seen)
+        seen.append({})
+        if turn < len(started):
+            started[turn].set()
+        if turn == 0:
+            assert release.wait(60)
+        seen[turn].update({tp.partition: current(tp) for tp in partitions})
+
+    def nothing(_partitions: list[TopicPartition], _current: Callable[[TopicPartition], bool]) -> None:
+        return None
+
+    with running(bootstrap, layout, layout.inbox, lambda _r, _o: None, on_assign_paused=prepare) as first:
+        assert started[0].wait(30)
+        with running(bootstrap, layout, layout.inbox, lambda _r, _o: None, on_assign_paused=nothing,
+                     group_id=first.group_id):
+            assert started[1].wait(30), "the first member got some partitions back, prepared anew"
+            assert wait_for(lambda: len(seen[1]) > 0, timeout_s=30)
+            release.set()
+            assert wait_for(lambda: len(seen[0]) == layout.partitions, timeout_s=30)
+    assert seen[0] == {p: False for p in range(layout.partitions)}, seen
+    assert seen[1] and all(seen[1].values()), f"the new preparation owns what it was given: {seen}"

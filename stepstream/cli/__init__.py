@@ -15,8 +15,9 @@ from collections.abc import Callable, Sequence
 
 from confluent_kafka import KafkaException
 
-from eventstore.errors import KafkaUnreachable, StepstreamError
+from eventstore.errors import KafkaUnreachable, RestartRequired, StepstreamError
 from eventstore.kafka_config import kafka_reason
+from eventstore.stall import EXIT_STALLED
 from schemas.sealed import SealingError
 from stepstream.cli import broker, demo, dlq, keys, operator, outbox, projections, run, serve, tasks
 from stepstream.project.files import activate, find_project
@@ -48,6 +49,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)
+    except RestartRequired as exc:  # a service that a fresh process recovers: 75, which supervisors restart
+        print(f"stepstream: {exc}", file=sys.stderr)
+        return EXIT_STALLED
     except KafkaUnreachable as exc:
         print(f"stepstream: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE

@@ -28,7 +28,8 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
+import structlog
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka import Message as KafkaMessage
 
 from eventstore.errors import InfrastructureError, LogReadError
@@ -39,6 +40,12 @@ from eventstore.replay import LogRange, watermarks
 from eventstore.topics import reader_group
 from schemas.messages import SubmitTask
 from schemas.sealed import Keyring
+
+log = structlog.get_logger("stepstream.keys")
+
+ENDS_TRY_S = 5.0
+"""How long one question of where ``keys`` partitions end may take before a fresh consumer asks it again (a
+healthy broker answers in milliseconds; one behind a dead leader never does)."""
 
 PROPOSED = ("stepstream-key", b"proposed")
 """The header of a proposed key's record (and of its tombstone): what tells it from a task's own record."""
@@ -172,11 +179,34 @@ class KeyFollower:
             consumer.assign([TopicPartition(self.topic, p, self._starts.get(p, OFFSET_BEGINNING))
                              for p in self._partitions])
             self._consumer = consumer
-            # Of the follower's isolation level: a read_committed query answers the last stable offset, which
-            # stops before a proposal written behind the scheduler's open transaction.
-            self._ends = Consumer({**connection_config(self.bootstrap), "group.id": reader_group("keys-ends"),
-                                   "enable.auto.commit": False, "isolation.level": isolation})
         return self._consumer
+
+    def _ends_of(self, partitions: list[int], deadline: float) -> dict[int, int]:
+        """Where ``partitions`` end now, asked by the consumer that never fetches.
+
+        That consumer learns where partitions lead only when it is made: assigned nothing, it never refreshes
+        its metadata, so after its partition's leader was SIGKILLed it asked the dead broker until the query
+        timed out, and a new one timed out again (an agent took 30 s per request it opened). A question not
+        answered within ``ENDS_TRY_S`` is asked again by a consumer made afresh, which finds the new leader.
+        """
+        while True:
+            if self._ends is None:
+                # Of the follower's isolation level: a read_committed query answers the last stable offset,
+                # which stops before a proposal written behind the scheduler's open transaction.
+                isolation = "read_committed" if self.committed_only else "read_uncommitted"
+                self._ends = Consumer({**connection_config(self.bootstrap), "group.id": reader_group("keys-ends"),
+                                       "enable.auto.commit": False, "isolation.level": isolation})
+            try:
+                return {p: watermarks(self._ends, TopicPartition(self.topic, p),
+                                      timeout_s=max(0.1, min(ENDS_TRY_S, deadline - time.monotonic())))[1]
+                        for p in partitions}
+            except KafkaException as exc:
+                self._ends.close()
+                self._ends = None
+                if time.monotonic() >= deadline:
+                    raise LogReadError(f"{self.topic}: where its partitions end was not answered: {exc}") from exc
+                log.warning("asking where keys end again, from a fresh connection", topic=self.topic,
+                            error=repr(exc))
 
     def read_on(self, partitions: Iterable[int] | None, done: Callable[[], bool],
                 timeout_s: float = 30.0) -> Iterator[KafkaMessage]:
@@ -184,9 +214,9 @@ class KeyFollower:
         of ``partitions`` (None: all followed) reached the end it had when this read began."""
         consumer = self._follow()
         wanted = self._partitions if partitions is None else sorted(partitions)
-        assert wanted is not None and self._ends is not None
-        targets = {p: watermarks(self._ends, TopicPartition(self.topic, p))[1] for p in wanted}
+        assert wanted is not None
         deadline = time.monotonic() + timeout_s
+        targets = self._ends_of(wanted, deadline)
         while not done() and any(self._reached.get(p, -1) < end for p, end in targets.items()):
             if time.monotonic() > deadline:
                 raise LogReadError(f"{self.topic}: not read to its end within {timeout_s:g}s "

@@ -1,11 +1,13 @@
 """A three-broker KRaft cluster from the project's own jars: replicated topics, a broker SIGKILLed while
-records are written, nothing acknowledged lost or doubled, writes going on, and the broker back."""
+records are written, nothing acknowledged lost or doubled, writes going on, and the broker back; a reader of
+``keys`` that goes on reading after its partition's leader was SIGKILLed. One cluster serves the module; each
+test brings back the broker it killed."""
 
 from __future__ import annotations
 
 import time
 from collections import Counter
-from pathlib import Path
+from collections.abc import Iterator
 
 import pytest
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer
@@ -13,6 +15,7 @@ from confluent_kafka.admin import AdminClient, ConfigResource
 
 from eventstore.cluster import LocalCluster
 from eventstore.kafka_config import producer_config
+from eventstore.keys import KeyFollower
 from eventstore.topics import TopicSpec, ensure_topics
 from tests.kafka_helpers import wait_for
 
@@ -62,27 +65,57 @@ def topic_config(admin: AdminClient, topic: str) -> dict[str, str] | None:
         return None
 
 
-def test_a_sigkilled_broker_of_three_loses_no_acknowledged_record_and_writes_go_on(tmp_path: Path) -> None:
-    cluster = LocalCluster(tmp_path, nodes=3)
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    cluster = LocalCluster(tmp_path_factory.mktemp("cluster"), nodes=3)
     cluster.start()
     try:
-        bootstrap = cluster.bootstrap_servers
-        admin = AdminClient({"bootstrap.servers": bootstrap})
-        ensure_topics(admin, [TopicSpec("orders", 3)], replication_factor=3)
-        partitions = admin.list_topics("orders", timeout=30).topics["orders"].partitions
-        assert all(len(p.replicas) == 3 for p in partitions.values()), "three copies of every partition"
-        assert wait_for(lambda: topic_config(admin, "orders") is not None, timeout_s=30), \
-            "every broker learns of the new topic"
-        assert (topic_config(admin, "orders") or {})["min.insync.replicas"] == "2"
-
-        assert produce(bootstrap, "orders", range(0, 300)) == []
-        cluster.node(2).kill()
-        assert produce(bootstrap, "orders", range(300, 600)) == [], "two of three in sync: writes go on"
-
-        seen = read_all(bootstrap, "orders", 600)
-        assert set(seen) == {str(v) for v in range(600)} and set(seen.values()) == {1}, "each record once"
-
-        cluster.node(2).start()
-        assert len(admin.list_topics(timeout=30).brokers) == 3, "the killed broker is back in the cluster"
+        yield cluster
     finally:
         cluster.stop()
+
+
+def test_a_sigkilled_broker_of_three_loses_no_acknowledged_record_and_writes_go_on(cluster: LocalCluster) -> None:
+    bootstrap = cluster.bootstrap_servers
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    ensure_topics(admin, [TopicSpec("orders", 3)], replication_factor=3)
+    partitions = admin.list_topics("orders", timeout=30).topics["orders"].partitions
+    assert all(len(p.replicas) == 3 for p in partitions.values()), "three copies of every partition"
+    assert wait_for(lambda: topic_config(admin, "orders") is not None, timeout_s=30), \
+        "every broker learns of the new topic"
+    assert (topic_config(admin, "orders") or {})["min.insync.replicas"] == "2"
+
+    assert produce(bootstrap, "orders", range(0, 300)) == []
+    cluster.node(2).kill()
+    assert produce(bootstrap, "orders", range(300, 600)) == [], "two of three in sync: writes go on"
+
+    seen = read_all(bootstrap, "orders", 600)
+    assert set(seen) == {str(v) for v in range(600)} and set(seen.values()) == {1}, "each record once"
+
+    cluster.node(2).start()
+    assert len(admin.list_topics(timeout=30).brokers) == 3, "the killed broker is back in the cluster"
+
+
+def test_a_keys_reader_reads_on_after_its_partitions_leader_is_sigkilled(cluster: LocalCluster) -> None:
+    """An agent's data keys and a scheduler's proposals are read by a long-lived follower; where partitions end
+    was asked of the leader it learnt when it started, and after that broker's SIGKILL every question timed
+    out (30 s an agent request, for good)."""
+    bootstrap = cluster.bootstrap_servers
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    ensure_topics(admin, [TopicSpec("keys", 2)], replication_factor=3)
+    producer = Producer(producer_config(bootstrap))
+    producer.produce("keys", key=b"task-1", value=b"key-1", partition=0)
+    assert producer.flush(30) == 0
+    follower = KeyFollower(bootstrap, "keys", None, committed_only=True)
+    try:
+        assert [m.key() for m in follower.read_on(None, lambda: False)] == [b"task-1"]
+        leader = admin.list_topics("keys", timeout=30).topics["keys"].partitions[0].leader
+        cluster.node(leader).kill()
+        try:
+            producer.produce("keys", key=b"task-2", value=b"key-2", partition=0)
+            assert producer.flush(30) == 0, "two of three in sync: the new record is acknowledged"
+            assert [m.key() for m in follower.read_on(None, lambda: False)] == [b"task-2"]
+        finally:
+            cluster.node(leader).start()
+    finally:
+        follower.close()

@@ -94,7 +94,10 @@ class EventProducer:
 
 
 def is_fatal(exc: KafkaException) -> bool:
-    return bool(exc.args and isinstance(exc.args[0], KafkaError) and exc.args[0].fatal())
+    """A fatal error of the client: it says so on a transactional call (``fatal()``); a produce after it only
+    answers ``_FATAL``, without the flag."""
+    error = exc.args[0] if exc.args else None
+    return isinstance(error, KafkaError) and (error.fatal() or error.code() == KafkaError._FATAL)
 
 
 def requires_abort(exc: KafkaException) -> bool:

@@ -281,6 +281,10 @@ class ConsumerRuntime:
                 self.handler(record, self.output)
                 return
             except Exception as exc:
+                if isinstance(exc, KafkaException):
+                    # A fenced producer says so on its next produce as well as on a transactional call: retrying
+                    # the record would meet the same fatal error for good.
+                    self._check_recoverable(exc)
                 if not is_retryable(exc):
                     reason = exc.reason if isinstance(exc, PoisonMessageError) else f"handler failed: {exc!r}"
                     kind = "contradictory" if isinstance(exc, PoisonMessageError) else "handler_error"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 import uuid
 from collections import defaultdict
 
@@ -9,13 +11,14 @@ import pytest
 from confluent_kafka import TopicPartition
 from prometheus_client import REGISTRY
 
+from eventstore.errors import RestartRequired
 from eventstore.producer import EventProducer
 from eventstore.replay import ReplayReader
-from eventstore.runtime import Record
+from eventstore.runtime import ConsumerRuntime, Record
 from eventstore.topics import TopicLayout
 from schemas.messages import OperatorAlert
 from tests.kafka_helpers import read_all, wait_for
-from tests.runtime_harness import running
+from tests.runtime_harness import FAST, running
 
 pytestmark = pytest.mark.kafka
 
@@ -108,3 +111,49 @@ def test_consumer_lag_per_partition_is_exported(bootstrap: str, layout: TopicLay
 
         assert wait_for(lambda: (lag() or 0) > 0, timeout_s=10), "lag shown while behind"
         assert wait_for(lambda: len(handled) == 20 and lag() == 0, timeout_s=20), "lag drops to 0"
+
+
+
+def test_a_fenced_runtime_ends_for_a_restart_instead_of_retrying_its_record(
+    bootstrap: str, layout: TopicLayout,
+) -> None:
+    """A producer that takes the runtime's transactional id fences it: whichever call learns it first (a produce
+    answers ``_FATAL``, a transactional call a fatal error), retrying cannot help, so the runtime ends with
+    RestartRequired (exit 75 for its supervisor) and the record stays uncommitted for its restart."""
+    transactional_id = f"tx-{uuid.uuid4().hex}"
+
+    def copy_twice(record: Record, out: EventProducer) -> None:
+        """Two records a second apart, as a handler writes several per command: the first one's partition is
+        added to the transaction meanwhile, the broker answers it fenced, and the second produce is refused."""
+        out.send(layout.events, record.message)
+        time.sleep(1)
+        out.send(layout.events, record.message)
+
+    runtime = ConsumerRuntime(bootstrap=bootstrap, group_id=f"g-{uuid.uuid4().hex}", topics=[layout.inbox],
+                              handler=copy_twice, dlq_topic=layout.dlq, settings=FAST,
+                              transactional_id=transactional_id)
+    ended: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            runtime.run()
+            ended.append(None)
+        except BaseException as exc:
+            ended.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    producer = EventProducer(bootstrap)
+    try:
+        producer.send(layout.inbox, _event("before", 1))
+        producer.flush()
+        assert wait_for(lambda: len(read_all(bootstrap, layout.events, expect=2, timeout_s=1)) == 2, timeout_s=30)
+        EventProducer(bootstrap, transactional_id=transactional_id).init_transactions()
+        producer.send(layout.inbox, _event("after", 2))
+        producer.flush()
+        thread.join(timeout=60)
+        assert ended and isinstance(ended[0], RestartRequired), f"ended with {ended} (still running: {not ended})"
+    finally:
+        runtime.stop()
+        thread.join(timeout=30)
+    assert [m.key() for m in read_all(bootstrap, layout.events, expect=3, timeout_s=3)] == [b"before", b"before"]

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from confluent_kafka import KafkaError, KafkaException
 
 from projections.store import Positioned, SqliteStore
 from tests.histories import histories
@@ -88,3 +89,28 @@ def test_status_without_a_store_says_where_it_looked_and_creates_none(env: dict[
     assert (done.returncode, done.stderr.strip()) == (
         3, f"stepstream status: no state store at {state} yet (has the projector run?)")
     assert not state.exists()
+
+
+@pytest.mark.parametrize(("error", "code"), [
+    (KafkaError(KafkaError._FATAL, "Unable to produce message: Local: Fatal error"), 75),
+    (KafkaError(KafkaError.PRODUCER_FENCED, "fenced", fatal=True), 75),
+    (KafkaError(KafkaError._TRANSPORT, "broker down"), 69),
+])
+def test_a_service_whose_kafka_client_broke_for_good_exits_75_for_a_restart_and_a_lost_broker_69(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], error: KafkaError, code: int,
+) -> None:
+    """A fenced producer is mended by a fresh process (75, which ``up`` and compose restart), wherever the error
+    surfaces; a broker lost mid-command is said as such (69)."""
+    import argparse
+
+    import stepstream.cli as cli
+
+    def broken(_args: argparse.Namespace) -> int:
+        raise KafkaException(error)
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("command")
+    parser.set_defaults(func=broken)
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    assert cli.main(["scheduler"]) == code
+    assert capsys.readouterr().err.splitlines() == [f"stepstream: Kafka: {error.str()}"]

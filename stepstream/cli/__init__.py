@@ -17,6 +17,7 @@ from confluent_kafka import KafkaException
 
 from eventstore.errors import KafkaUnreachable, RestartRequired, StepstreamError
 from eventstore.kafka_config import kafka_reason
+from eventstore.producer import is_fatal
 from eventstore.stall import EXIT_STALLED
 from schemas.sealed import SealingError
 from stepstream.cli import broker, demo, dlq, keys, operator, outbox, projections, run, serve, tasks
@@ -60,6 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KafkaException as exc:  # a broker lost mid-command: its reason, not a librdkafka traceback
         print(f"stepstream: Kafka: {kafka_reason(exc)}", file=sys.stderr)
-        return EXIT_UNAVAILABLE
+        # A client broken for good (a fenced transactional producer, wherever it says so: a produce while the
+        # consumer's partitions are revoked too) is mended by a fresh process: 75, which supervisors restart.
+        return EXIT_STALLED if is_fatal(exc) else EXIT_UNAVAILABLE
     except KeyboardInterrupt:
         return 130

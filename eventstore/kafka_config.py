@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from confluent_kafka import KafkaError
 from pydantic import ValidationError
 
 from eventstore.errors import KafkaUnreachable, StepstreamError
@@ -46,6 +47,12 @@ def check_reachable(bootstrap: str, timeout_s: float, where: str) -> None:
     except KafkaException as exc:
         raise KafkaUnreachable(f"no Kafka cluster answered at {bootstrap} ({where}) within {timeout_s:g}s: "
                                f"{kafka_reason(exc)}") from None
+
+
+def kafka_error(exc: Exception) -> KafkaError | None:
+    """The KafkaError a KafkaException carries (librdkafka's code and flags); None for any other exception."""
+    error = exc.args[0] if exc.args else None
+    return error if isinstance(error, KafkaError) else None
 
 
 def kafka_reason(exc: Exception) -> str:

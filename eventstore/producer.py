@@ -7,7 +7,7 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException, Producer
 
 from eventstore.errors import InfrastructureError
-from eventstore.kafka_config import producer_config, transactional_config
+from eventstore.kafka_config import kafka_error, producer_config, transactional_config
 from schemas.codec import Codec, default_codec
 from schemas.messages import Message
 
@@ -96,13 +96,15 @@ class EventProducer:
 def is_fatal(exc: KafkaException) -> bool:
     """A fatal error of the client: it says so on a transactional call (``fatal()``); a produce after it only
     answers ``_FATAL``, without the flag."""
-    error = exc.args[0] if exc.args else None
-    return isinstance(error, KafkaError) and (error.fatal() or error.code() == KafkaError._FATAL)
+    error = kafka_error(exc)
+    return error is not None and (error.fatal() or error.code() == KafkaError._FATAL)
 
 
 def requires_abort(exc: KafkaException) -> bool:
-    return bool(exc.args and isinstance(exc.args[0], KafkaError) and exc.args[0].txn_requires_abort())
+    error = kafka_error(exc)
+    return error is not None and error.txn_requires_abort()
 
 
 def is_retriable(exc: KafkaException) -> bool:
-    return bool(exc.args and isinstance(exc.args[0], KafkaError) and exc.args[0].retriable())
+    error = kafka_error(exc)
+    return error is not None and error.retriable()

@@ -18,7 +18,7 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient
 
-from eventstore.kafka_config import connection_config
+from eventstore.kafka_config import connection_config, kafka_error
 
 
 class AgentGroups:
@@ -63,7 +63,8 @@ class AgentGroups:
         try:
             description = future.result(self.timeout_s)
         except KafkaException as exc:  # a broker that says so rather than describing an empty group
-            if _code(exc) == KafkaError.GROUP_ID_NOT_FOUND:
+            error = kafka_error(exc)
+            if error is not None and error.code() == KafkaError.GROUP_ID_NOT_FOUND:
                 return 0
             raise
         return len(description.members or [])
@@ -73,10 +74,6 @@ _COORDINATOR_MOVING = frozenset({KafkaError.NOT_COORDINATOR, KafkaError.COORDINA
                                  KafkaError.COORDINATOR_LOAD_IN_PROGRESS})
 
 
-def _code(exc: KafkaException) -> int | None:
-    error = exc.args[0] if exc.args else None
-    return error.code() if isinstance(error, KafkaError) else None
-
-
 def _coordinator_moving(exc: KafkaException) -> bool:
-    return _code(exc) in _COORDINATOR_MOVING
+    error = kafka_error(exc)
+    return error is not None and error.code() in _COORDINATOR_MOVING

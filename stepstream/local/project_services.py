@@ -3,7 +3,6 @@ on their URL's port (or any free one), in the project folder, answering before a
 
 from __future__ import annotations
 
-import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -13,6 +12,7 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 
 from eventstore.errors import StepstreamError
+from stepstream.local.ports import bindable_port
 from stepstream.local.processes import ServiceProcesses
 from stepstream.project.model import ServiceDecl
 
@@ -35,13 +35,11 @@ def plan(name: str, decl: ServiceDecl, port: int | None) -> StartedService:
     which must be free: something else answering there would pass for the service."""
     wanted = port if port is not None else (0 if decl.any_port else decl.port)
     host = urlsplit(decl.url).hostname or "127.0.0.1"
-    with socket.socket() as probe:
-        try:
-            probe.bind((host, wanted))
-        except OSError as exc:
-            raise ServiceRefused(f"service {name}: port {wanted} ({decl.url}) cannot be used: {exc.strerror}; stop "
-                                 f"what listens there, or give [services.{name}] another url") from None
-        chosen: int = probe.getsockname()[1]
+    try:
+        chosen = bindable_port(host, wanted)
+    except OSError as exc:
+        raise ServiceRefused(f"service {name}: port {wanted} ({decl.url}) cannot be used: {exc.strerror}; stop "
+                             f"what listens there, or give [services.{name}] another url") from None
     parts = urlsplit(decl.url)
     url = urlunsplit((parts.scheme, f"{host}:{chosen}", parts.path, "", "")).rstrip("/")
     return StartedService(name, f"{name}-service", url)

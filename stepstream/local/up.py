@@ -18,7 +18,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -40,6 +39,7 @@ from schemas.sealed import configured_keys
 from stepstream.errors import UsageError
 from stepstream.http.settings import ApiSettings
 from stepstream.local import project_services
+from stepstream.local.ports import bindable_port
 from stepstream.local.processes import ServiceProcesses, child_env
 from stepstream.local.restarts import RestartPolicy, RestartSettings
 from stepstream.project.agents import agent_url
@@ -211,28 +211,22 @@ def metrics_ports(services: list[str], base: int | None) -> dict[str, int]:
     ports: dict[str, int] = {}
     for offset, name in enumerate(services):
         wanted = 0 if base == 0 else base + offset
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", wanted))
-            except OSError as exc:
-                raise PortTaken(f"STEPSTREAM_METRICS_PORT={base}: port {wanted} for {name} (ports {base}-"
-                                f"{base + len(services) - 1}, one per service) cannot be used: {exc.strerror}; "
-                                "choose another base, or 0 for any free ports") from None
-            ports[name] = probe.getsockname()[1]
+        try:
+            ports[name] = bindable_port("127.0.0.1", wanted)
+        except OSError as exc:
+            raise PortTaken(f"STEPSTREAM_METRICS_PORT={base}: port {wanted} for {name} (ports {base}-"
+                            f"{base + len(services) - 1}, one per service) cannot be used: {exc.strerror}; "
+                            "choose another base, or 0 for any free ports") from None
     return ports
 
 
 def _api_port() -> int:
     """The configured API port, or any free one when it is taken (a second system on this machine)."""
     settings = ApiSettings()
-    port = settings.port
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((settings.host, port))
-        except OSError:
-            return 0
-    return port
+    try:
+        return bindable_port(settings.host, settings.port)
+    except OSError:
+        return 0
 
 
 def wait_until_up(home: Path, up: subprocess.Popen[bytes], timeout_s: float = 120.0) -> dict[str, object]:

@@ -1,15 +1,18 @@
 """The project file (``stepstream.toml``) as a newcomer writes it: found where stepstream runs, validated as
 a whole with one line naming the wrong field, its agents built, and the mistakes a newcomer meets first
 (an unknown agent, an undeclared one, a workflows module that does not import) told in one line with the
-fix, never a traceback. Nothing here needs a broker: each refusal comes before anything connects."""
+fix, never a traceback. Nothing here needs a broker but the client's submission: each refusal comes before
+anything connects."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -21,11 +24,24 @@ import pytest
 from agents.policy import StaticPolicy
 from agents.retry import RetryPolicy
 from agents.runtime import Agent, Call, TransientError
+from eventstore.settings import HOME_NAME, KafkaSettings
+from eventstore.topics import TopicLayout
 from scheduler.settings import SchedulerSettings
-from schemas.messages import AgentRequest
+from schemas.codec import default_codec
+from schemas.messages import AgentRequest, SubmitTask
+from stepstream.client import Client
 from stepstream.project.agents import AgentUnbuildable, declared_agent
-from stepstream.project.files import LoadedProject, ProjectRefused, UnknownAgent, find_project, load_project, parse
+from stepstream.project.files import (
+    LoadedProject,
+    ProjectRefused,
+    UnknownAgent,
+    configure,
+    find_project,
+    load_project,
+    parse,
+)
 from stepstream.project.model import AgentDecl
+from tests.kafka_helpers import read_all
 
 ROOT = Path(__file__).parent.parent
 TRAVEL = ROOT / "examples" / "travel"
@@ -224,3 +240,39 @@ def test_an_http_agent_sends_its_method_and_headers_with_the_key_and_attempt_and
     slow = declared_agent(project, "slow", policy, threading.Event(), connections=1)
     with pytest.raises(TransientError, match=r"/slow: timed out after 0\.3s"):
         slow.handler(Call(request, timeout_s=10.0))
+
+
+@pytest.mark.kafka
+def test_the_python_client_in_a_project_subfolder_submits_to_the_projects_workflows_with_no_variable_set(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bootstrap: str, layout: TopicLayout,
+) -> None:
+    module = f"trips_{uuid.uuid4().hex[:8]}"  # a name no earlier test imported
+    (tmp_path / f"{module}.py").write_text(WORKFLOWS)
+    (tmp_path / "stepstream.toml").write_text(f'[project]\nworkflows = "{module}:REGISTRY"\n')
+    (tmp_path / "scripts").mkdir()
+    for name in [name for name in os.environ if name.startswith("STEPSTREAM_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.chdir(tmp_path / "scripts")
+    # Only where the shared test broker is, and this test's topics: nothing of the workflows.
+    kafka = {"bootstrap_servers": bootstrap, "topic_prefix": layout.prefix, "partitions": layout.partitions}
+    with Client(kafka=KafkaSettings(**kafka)) as client:
+        task_id = client.submit("trip", {"destination": "Lisbon"})
+    assert KafkaSettings(**kafka).home == tmp_path / HOME_NAME, "the project folder keeps its local state"
+    [message] = read_all(bootstrap, layout.inbox, expect=1)
+    submitted = default_codec().decode(message.value())
+    assert isinstance(submitted, SubmitTask)
+    assert (submitted.task_id, submitted.workflow, submitted.workflow_version) == (task_id, "trip", None)
+
+
+def test_without_stepstream_home_a_projects_state_is_kept_in_its_own_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    (tmp_path / "stepstream.toml").write_text('[project]\nworkflows = "trips:REGISTRY"\n')
+    monkeypatch.delenv("STEPSTREAM_HOME", raising=False)
+    monkeypatch.delenv("STEPSTREAM_PROJECT", raising=False)
+    monkeypatch.chdir(tmp_path)
+    configure()
+    assert KafkaSettings().home == tmp_path / HOME_NAME
+    monkeypatch.setenv("STEPSTREAM_HOME", str(tmp_path / "elsewhere"))
+    configure()
+    assert KafkaSettings().home == tmp_path / "elsewhere", "the variable still wins"

@@ -21,7 +21,7 @@ from eventstore.producer import is_fatal
 from eventstore.stall import EXIT_STALLED
 from schemas.sealed import SealingError
 from stepstream.cli import broker, demo, dlq, keys, operator, outbox, projections, run, serve, tasks
-from stepstream.project.files import activate, find_project
+from stepstream.project.files import configure
 
 EXIT_UNAVAILABLE = 69  # sysexits' EX_UNAVAILABLE: the Kafka cluster did not answer
 DESCRIPTION = ("``stepstream``: one thin command in front of every service and tool. Each sub-command parses its "
@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:  # first: the project's workflows, agents and services are every command's settings (and --help's)
-        activate(find_project())
+        configure()
     except StepstreamError as exc:
         print(f"stepstream: {exc}", file=sys.stderr)
         return 1

@@ -2,7 +2,7 @@
 
 A submission is validated before anything is produced, so a bad input raises an error naming the field
 and writes nothing: that includes a workflow or version the scheduler does not run (checked against the
-registry ``STEPSTREAM_SCHEDULER_WORKFLOWS`` names, as the scheduler and the HTTP API do), which the
+registry the project file or ``STEPSTREAM_SCHEDULER_WORKFLOWS`` names, as the scheduler and the HTTP API do), which the
 scheduler would otherwise dead-letter while the submitter waited for an answer that never comes, and an
 input its workflow's input model refuses.
 
@@ -48,6 +48,7 @@ from schemas.errors import DecodeError
 from schemas.messages import OperatorAction, OperatorCommand, StatusUpdate, SubmitTask, new_id
 from schemas.sealed import Keyring, configured_keys
 from schemas.states import TERMINAL, TaskStatus
+from stepstream.project.files import configure
 
 
 class InvalidSubmission(StepstreamError, ValueError):
@@ -114,11 +115,16 @@ class Client:
     """One producer and, if a submitter name is given, that submitter's private reply topic.
 
     ``keyring`` (default: ``STEPSTREAM_ENCRYPTION_KEYS``, else the local home's key that ``stepstream up``
-    made) seals the input fields the workflows mark."""
+    made) seals the input fields the workflows mark.
+
+    Its settings are found as the command line finds them: the project file (``stepstream.toml`` in the
+    working folder or a parent, or where ``STEPSTREAM_PROJECT`` points) under the ``STEPSTREAM_*`` variables,
+    which still win."""
 
     def __init__(self, *, kafka: KafkaSettings | None = None, submitter: str | None = None,
                  store_path: Path | None = None, registry: WorkflowRegistry | None = None,
                  keyring: Keyring | None = None) -> None:
+        configure()
         self.kafka = kafka or KafkaSettings()
         self.registry = registry or SchedulerSettings().load_registry()
         self.layout = TopicLayout.from_settings(self.kafka)

@@ -56,6 +56,7 @@ from schemas.errors import DecodeError
 from schemas.messages import SubmitTask
 from schemas.sealed import EncryptionSettings, Keyring, SealingError
 from stepstream.client import InvalidSubmission, check_submission
+from stepstream.project.files import configure
 
 log = structlog.get_logger("stepstream.outbox")
 
@@ -199,9 +200,9 @@ def enqueue(conn: psycopg.Connection[Any], submission: SubmitTask, *, schema: st
     does. Refused on an autocommit connection outside ``conn.transaction()``: the row would commit alone.
     Returns the row id. Build the submission with ``stepstream.client.build_submission`` and a task id
     derived from the business key, so a retried transaction submits the same task. Its workflow, version
-    and input are checked against ``registry`` (default: the one ``STEPSTREAM_SCHEDULER_WORKFLOWS`` names)
-    as the client checks them: a bad one is refused here, in the application's transaction, rather than
-    dead-lettered after it committed.
+    and input are checked against ``registry`` (default: the one the project file or
+    ``STEPSTREAM_SCHEDULER_WORKFLOWS`` names) as the client checks them: a bad one is refused here, in the
+    application's transaction, rather than dead-lettered after it committed.
 
     The input fields the workflow marks sensitive are sealed before the row is written, with a new data key
     wrapped by ``keyring`` (default: ``STEPSTREAM_ENCRYPTION_KEYS``), so neither the outbox table nor
@@ -210,7 +211,9 @@ def enqueue(conn: psycopg.Connection[Any], submission: SubmitTask, *, schema: st
     """
     if not isinstance(submission, SubmitTask):
         raise InvalidOutboxInput("submission", f"must be a SubmitTask, not {type(submission).__name__}")
-    registry = registry or SchedulerSettings().load_registry()
+    if registry is None:
+        configure()
+        registry = SchedulerSettings().load_registry()
     try:
         check_submission(registry, submission.workflow, submission.workflow_version, submission.input)
     except InvalidSubmission as exc:

@@ -1,8 +1,14 @@
 """Where the project file is, reading it, and how it becomes the settings every command reads.
 
-``stepstream.toml`` in the working folder, or the file (or folder) ``STEPSTREAM_PROJECT`` names; with
+``stepstream.toml`` in the working folder or the nearest of its parents (as git finds ``.git``, so a command
+run in a subfolder of the project reads it too), or the file (or folder) ``STEPSTREAM_PROJECT`` names; with
 neither, the built-in configuration: the demo (``demo.toml`` here), so ``stepstream up`` and ``make demo``
 run it with nothing configured.
+
+Every entry point reads it the same way (``configure``): the command line, the Python client and the outbox
+writer, so that a script run in the project folder submits to the project's workflows as ``stepstream
+submit`` does. Its local state (broker, logs, state store) is kept in the project folder's ``.stepstream``
+unless ``STEPSTREAM_HOME`` says otherwise.
 
 Why the file feeds the environment rather than every settings class: each service reads its own settings
 from ``STEPSTREAM_*`` variables (pydantic-settings), in this process and in the children ``up`` starts. So
@@ -27,6 +33,7 @@ from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from eventstore.errors import StepstreamError
+from eventstore.settings import HOME_NAME
 from stepstream.project.model import AgentDecl, Project
 
 PROJECT_FILE = "stepstream.toml"
@@ -85,9 +92,10 @@ def find_project(cwd: Path | None = None) -> LoadedProject:
         if not path.is_file():
             raise ProjectRefused(f"STEPSTREAM_PROJECT={pointed}: no project file there ({path})")
         return load_project(path)
-    here = (cwd or Path.cwd()) / PROJECT_FILE
-    if here.is_file():
-        return load_project(here)
+    here = (cwd or Path.cwd()).resolve()
+    for folder in (here, *here.parents):
+        if (folder / PROJECT_FILE).is_file():
+            return load_project(folder / PROJECT_FILE)
     return LoadedProject(parse(files(__package__).joinpath(BUILT_IN).read_text(), BUILT_IN), None)
 
 
@@ -116,6 +124,14 @@ def parse(text: str, where: str) -> Project:
         raise ProjectRefused(f"{where}: {field}{message}{more}") from None
 
 
+def configure() -> LoadedProject:
+    """Find the project this process runs in and make it its configuration: what every entry point does
+    before it reads a setting."""
+    project = find_project()
+    activate(project)
+    return project
+
+
 def activate(project: LoadedProject) -> None:
     """Make ``project`` the configuration of this process and of the children it starts (module doc)."""
     os.environ.setdefault("STEPSTREAM_SCHEDULER_WORKFLOWS", project.spec.project.workflows)
@@ -123,6 +139,7 @@ def activate(project: LoadedProject) -> None:
     if folder is None or project.file is None:
         return
     os.environ["STEPSTREAM_PROJECT"] = str(project.file)
+    os.environ.setdefault("STEPSTREAM_HOME", str(folder / HOME_NAME))
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]

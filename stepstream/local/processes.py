@@ -11,6 +11,12 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eventstore.errors import StepstreamError
+
+
+class ProcessExited(StepstreamError, RuntimeError):
+    """A process ended while it was expected to start: its exit code and the end of its log say why."""
+
 
 @dataclass
 class ServiceProcesses:
@@ -63,7 +69,7 @@ class ServiceProcesses:
         deadline = time.monotonic() + timeout_s
         while self.log(name).count(marker) < count:
             if not self.alive(name):
-                raise RuntimeError(f"{name} exited with {self.procs[name].returncode}:\n{self.log(name)[-3000:]}")
+                raise ProcessExited(f"{name} exited ({self.exit_status(name)}) while starting{self.log_tail(name)}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{name} did not log {marker!r} x{count} within {timeout_s}s")
             time.sleep(0.05)
@@ -110,6 +116,20 @@ class ServiceProcesses:
     def alive(self, name: str) -> bool:
         proc = self.procs.get(name)
         return proc is not None and proc.poll() is None
+
+    def exit_status(self, name: str) -> str:
+        """How the exited process ``name`` ended: "exit code N" or "killed by signal N"."""
+        code = self.procs[name].returncode
+        return f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+
+    def log_tail(self, name: str, lines: int = 8) -> str:
+        """The last ``lines`` of the process's log (where an exited one's reason is), indented under a line
+        naming the file, each on a line of its own after a newline: to follow a console line about it."""
+        tail = [line for line in self.log(name).splitlines() if line.strip()][-lines:]
+        where = self.log_dir / f"{name}.log"
+        if not tail:
+            return f"\n    (its log {where} is empty)"
+        return f"\n    the end of its log {where}:" + "".join(f"\n    {line}" for line in tail)
 
     def log(self, name: str) -> str:
         """What the process of that name (its latest start) has logged so far."""

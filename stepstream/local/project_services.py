@@ -57,8 +57,8 @@ def start(procs: ServiceProcesses, service: StartedService, decl: ServiceDecl, h
     with httpx.Client(timeout=0.5) as client:
         while True:
             if not procs.alive(service.process):
-                raise ServiceRefused(f"service {service.name} exited before it answered at {health}; see its log "
-                                     f"{procs.log_dir / (service.process + '.log')}")
+                raise ServiceRefused(f"service {service.name} exited ({procs.exit_status(service.process)}) before "
+                                     f"it answered at {health}{procs.log_tail(service.process)}")
             try:
                 if client.get(health).status_code < 500:
                     return

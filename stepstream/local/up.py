@@ -8,8 +8,10 @@ a free port when that one is taken), then watches them: one that dies is started
 one that keeps dying stops everything with exit 1 (``stepstream.local.restarts``). On SIGTERM it drains
 them newest first (the project's services last, so agents finish their calls) and reports each exit code.
 
-A workflow naming an agent the project does not declare is refused before anything starts, naming it: a
-step nobody would ever take would otherwise sit ``queued`` for good.
+Before anything starts, ``preflight`` checks everything the project file names (workflows, agent tables,
+handlers, service commands, the policy file): a mistake is refused in one line naming it, with nothing to
+stop. A process that ends while the system starts is said on the console with its exit code and the end of
+its log, and everything ``up`` started stops (the local broker too, when this ``up`` started it).
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from pathlib import Path
 
 from confluent_kafka.admin import AdminClient
 from rich.console import Console
+from rich.markup import escape
 
+from agents.settings import AgentSettings
 from eventstore.broker import LocalBroker
 from eventstore.console import command_console
 from eventstore.errors import StepstreamError
@@ -40,6 +44,7 @@ from stepstream.errors import UsageError
 from stepstream.http.settings import ApiSettings
 from stepstream.local import project_services
 from stepstream.local.ports import bindable_port
+from stepstream.local.preflight import preflight
 from stepstream.local.processes import ServiceProcesses, child_env
 from stepstream.local.restarts import RestartPolicy, RestartSettings
 from stepstream.project.agents import agent_url
@@ -57,8 +62,9 @@ class PortTaken(StepstreamError):
     """A port a service of ``stepstream up`` must listen on is in use."""
 
 
-class UndeclaredAgents(StepstreamError):
-    """The workflows name agents the project does not declare: ``up`` starts nothing."""
+class ProjectNotRunnable(StepstreamError):
+    """What the project file names does not hold together (``stepstream.local.preflight``): ``up`` starts
+    nothing, and says every problem."""
 
 
 class AlreadyUp(StepstreamError):
@@ -91,21 +97,28 @@ def _alive(pid: int) -> bool:
 
 def run_up(service_port: int | None = None) -> int:
     console = command_console(stderr=True)  # whole lines, also in a log: the demo and tests read them
-    stop = GracefulShutdown(ConsumerSettings().drain_timeout_s * 2).install().event
     kafka = KafkaSettings()
+    home = kafka.home.resolve()
     project = find_project()
-    agents = _agents(project, SchedulerSettings())
+    workflows = SchedulerSettings()
+    problems = preflight(project, workflows, AgentSettings(), home)
+    if problems:  # before any signal handler, port, broker or process: nothing to stop
+        raise ProjectNotRunnable("not started: " + (problems[0] if len(problems) == 1 else
+                                 f"{len(problems)} problems:" + "".join(f"\n  {problem}" for problem in problems)))
+    agents = sorted(workflows.load_registry().agents)
     own = {name: decl for name, decl in project.spec.services.items() if decl.command is not None}
     if service_port is not None and len(own) != 1:
         raise UsageError(f"--service-port: the project runs {len(own)} services of its own, not one")
     services = ["projector", "scheduler", *agents, "supervisor"]
     metrics = metrics_ports(services, ObservabilitySettings().metrics_port)
-    home = kafka.home.resolve()
     refuse_if_up(home)
     planned = [project_services.plan(name, decl, service_port) for name, decl in own.items()]
+    stop = GracefulShutdown(ConsumerSettings().drain_timeout_s * 2).install().event
     logs = home / "logs"
     logs.mkdir(parents=True, exist_ok=True)  # a fresh clone has no home yet; every process logs there
-    bootstrap = kafka.reachable_bootstrap() if kafka.bootstrap_servers else LocalBroker(home).start().bootstrap_servers
+    broker = None if kafka.bootstrap_servers else LocalBroker(home)
+    started_broker = broker is not None and broker.status() is None  # this up starts it (else it reuses it)
+    bootstrap = kafka.reachable_bootstrap() if broker is None else broker.start().bootstrap_servers
     layout = TopicLayout.from_settings(kafka)
     ensure_topics(AdminClient(connection_config(bootstrap)), layout.core_specs(), kafka.replication_factor)
 
@@ -115,6 +128,7 @@ def run_up(service_port: int | None = None) -> int:
     urls = {started.name: started.url for started in planned}
     names = [*(started.process for started in planned), *services, "api"]
     gave_up: str | None = None
+    failed: Exception | None = None
     try:
         for started in planned:  # before the agents that call them
             project_services.start(procs, started, own[started.name], home, project.folder)
@@ -127,18 +141,24 @@ def run_up(service_port: int | None = None) -> int:
         for name in services:
             procs.wait_started(name)
         procs.wait_started("api", API_MARKER)
-        api_url = re.findall(API_MARKER + r" (http://\S+)", procs.log("api"))[0]
-        state = {"pid": os.getpid(), "bootstrap": bootstrap, "services": urls, "topic_prefix": layout.prefix,
-                 "api_url": api_url, "metrics_ports": metrics}
-        _write_state(home, state, procs)
-        console.print(f"{READY_MARKER}: kafka {bootstrap}, "
-                      + "".join(f"service {name} {url}, " for name, url in urls.items())
-                      + f"dashboard and API {api_url}, services {', '.join(names)}; logs in {logs}", highlight=False)
-        if metrics:
-            console.print("metrics (STEPSTREAM_METRICS_PORT, one port each): " + ", ".join(
-                f"{name} http://127.0.0.1:{port}/metrics" for name, port in metrics.items()), highlight=False)
-        gave_up = _supervise(stop, procs, RestartPolicy(RestartSettings()),
-                             lambda: _write_state(home, state, procs), console)
+    except (StepstreamError, TimeoutError) as exc:  # one ended or never started: said first, then all stop
+        failed = exc
+        console.print(f"[red]not up: {escape(str(exc))}[/red]", highlight=False)
+    try:
+        if failed is None:
+            api_url = re.findall(API_MARKER + r" (http://\S+)", procs.log("api"))[0]
+            state = {"pid": os.getpid(), "bootstrap": bootstrap, "services": urls, "topic_prefix": layout.prefix,
+                     "api_url": api_url, "metrics_ports": metrics}
+            _write_state(home, state, procs)
+            console.print(f"{READY_MARKER}: kafka {bootstrap}, "
+                          + "".join(f"service {name} {url}, " for name, url in urls.items())
+                          + f"dashboard and API {api_url}, services {', '.join(names)}; logs in {logs}",
+                          highlight=False)
+            if metrics:
+                console.print("metrics (STEPSTREAM_METRICS_PORT, one port each): " + ", ".join(
+                    f"{name} http://127.0.0.1:{port}/metrics" for name, port in metrics.items()), highlight=False)
+            gave_up = _supervise(stop, procs, RestartPolicy(RestartSettings()),
+                                 lambda: _write_state(home, state, procs), console)
     finally:
         own_processes = [started.process for started in planned]
         codes = procs.terminate_all(last=own_processes)
@@ -147,18 +167,23 @@ def run_up(service_port: int | None = None) -> int:
         codes |= {name: 0 for name in own_processes if codes.get(name) == -signal.SIGTERM}
         up_state_file(home).unlink(missing_ok=True)
     console.print("stopped: " + ", ".join(f"{name} exit {code}" for name, code in codes.items()), highlight=False)
-    return 0 if gave_up is None and all(code == 0 for code in codes.values()) else 1
+    if failed is not None or gave_up is not None:
+        _after_failure(console, broker, home, started_broker and failed is not None)
+    return 0 if failed is None and gave_up is None and all(code == 0 for code in codes.values()) else 1
 
 
-def _agents(project: LoadedProject, workflows: SchedulerSettings) -> list[str]:
-    """Every agent the workflows name, forward and compensation; UndeclaredAgents if the project lacks one."""
-    named = workflows.load_registry().agents
-    missing = project.undeclared(named)
-    if missing:
-        raise UndeclaredAgents(f"not started: workflows {workflows.workflows} name agents that {project.where()} "
-                               f"does not declare: {', '.join(missing)}; declare each as [agents.NAME] (service "
-                               "and path, or handler)")
-    return sorted(named)
+def _after_failure(console: Console, broker: LocalBroker | None, home: Path, stop_broker: bool) -> None:
+    """A start-up that failed stops the local broker it started too, leaving nothing behind; a broker that
+    was already running, or a system that ran and then gave up, keeps it (its topics hold the tasks), said
+    with how to stop it."""
+    if broker is None:
+        return
+    if stop_broker:
+        broker.stop()
+        console.print(f"the local broker of {home} stopped", highlight=False)
+    else:
+        console.print(f"the local broker of {home} keeps running (`stepstream broker stop` stops it)",
+                      highlight=False)
 
 
 def _agent_env(project: LoadedProject, name: str, started: dict[str, str]) -> dict[str, str]:
@@ -178,12 +203,14 @@ def _supervise(stop: threading.Event, procs: ServiceProcesses, policy: RestartPo
         now = time.monotonic()
         for name in [n for n in procs.procs if n not in due and not procs.alive(n)]:
             delay = policy.on_death(name)
+            status, tail = procs.exit_status(name), escape(procs.log_tail(name))
             if delay is None:
                 console.print(f"[red]{name} died {policy.recent_deaths(name)} times within "
-                              f"{policy.settings.restart_window_s:g}s: it keeps crashing, so up stops everything; "
-                              f"see its log {procs.log_dir / (name + '.log')}[/red]")
+                              f"{policy.settings.restart_window_s:g}s: it keeps crashing, so up stops everything "
+                              f"(the last time: {status}){tail}[/red]", highlight=False)
                 return name
-            console.print(f"[yellow]{name} exited unexpectedly; starting it again in {delay:.1f}s[/yellow]")
+            console.print(f"[yellow]{name} exited unexpectedly ({status}); starting it again in {delay:.1f}s"
+                          f"{tail}[/yellow]", highlight=False)
             due[name] = now + delay
         for name in [n for n, at in due.items() if at <= now]:
             del due[name]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import threading
 
@@ -31,7 +32,7 @@ def declared_agent(project: LoadedProject, name: str, policy: PolicyProvider, st
     decl = project.agent(name)
     handler: AgentHandler
     if decl.handler is not None:
-        handler = _imported_handler(name, decl.handler)
+        handler = imported_handler(name, decl.handler)
     else:
         base = url_override or agent_url(project, name)
         assert base is not None  # an HTTP agent has a service or a url (model validation)
@@ -40,13 +41,23 @@ def declared_agent(project: LoadedProject, name: str, policy: PolicyProvider, st
     return Agent(name, handler, policy, stopping, dependency=decl.dependency)
 
 
-def _imported_handler(name: str, target: str) -> AgentHandler:
+def imported_handler(name: str, target: str) -> AgentHandler:
+    """The function ``target`` (``module:function``) names; AgentUnbuildable saying why not, in one line (with
+    the module's nearest name when the function's is misspelt)."""
     module_name, _, attribute = target.partition(":")
     try:
-        handler = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as exc:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
         raise AgentUnbuildable(f"agent {name}: handler {target} cannot be loaded ({exc}); its module must be "
                                "importable from the project folder or PYTHONPATH") from None
+    except Exception as exc:  # the module's own code failed: the child would crash on it the same way
+        raise AgentUnbuildable(f"agent {name}: handler {target}: importing {module_name} raised "
+                               f"{type(exc).__name__}: {exc}") from None
+    handler = getattr(module, attribute, None)
+    if handler is None:
+        near = difflib.get_close_matches(attribute, [n for n in dir(module) if not n.startswith("_")], n=1)
+        hint = f"; did you mean {module_name}:{near[0]}?" if near else ""
+        raise AgentUnbuildable(f"agent {name}: handler {target}: {module_name} has no {attribute!r}{hint}")
     if not callable(handler):
         raise AgentUnbuildable(f"agent {name}: handler {target} is a {type(handler).__name__}, not a function")
     checked: AgentHandler = handler

@@ -245,12 +245,15 @@ class Workflow:
         return []
 
     def describe_input(self) -> str:
-        """The input fields for people (``--help``, OpenAPI): name, JSON type, and whether required."""
+        """The input fields for people (``--help``, OpenAPI): name, JSON type, whether required, and whether
+        sealed (encrypted from submission on, opened only by the steps that need it)."""
+        sealed = f" (sealed: {', '.join(sorted(self.sensitive_input))})" if self.sensitive_input else ""
         if self.input_model is None:
-            return "any JSON object"
+            return "any JSON object" + sealed
         schema = self.input_model.model_json_schema()
         required = set(schema.get("required", []))
-        return ", ".join(f"{name} ({spec.get('type', 'any')}{', required' if name in required else ''})"
+        return ", ".join(f"{name} ({spec.get('type', 'any')}{', required' if name in required else ''}"
+                         f"{', sealed' if name in self.sensitive_input else ''})"
                          for name, spec in schema.get("properties", {}).items())
 
     def step(self, name: str) -> Step:

@@ -276,3 +276,15 @@ def test_without_stepstream_home_a_projects_state_is_kept_in_its_own_folder(
     monkeypatch.setenv("STEPSTREAM_HOME", str(tmp_path / "elsewhere"))
     configure()
     assert KafkaSettings().home == tmp_path / "elsewhere", "the variable still wins"
+
+
+def test_submit_help_marks_the_input_fields_a_workflow_seals(tmp_path: Path) -> None:
+    (tmp_path / "loans.py").write_text(
+        "from pydantic import BaseModel\nfrom scheduler.workflow import Step, Workflow, WorkflowRegistry\n\n"
+        "class Loan(BaseModel):\n    amount: int\n    iban: str\n\n"
+        "REGISTRY = WorkflowRegistry.of([Workflow(name='loan', version=1, input_model=Loan, "
+        "sensitive_input=frozenset({'iban'}), steps=(Step('payout', agent='payout', opens=frozenset({'iban'})),))])\n")
+    (tmp_path / "stepstream.toml").write_text('[project]\nworkflows = "loans:REGISTRY"\n')
+    done = stepstream("submit", "--help", cwd=tmp_path, env=_env(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert "  loan v1: amount (integer, required), iban (string, required, sealed)" in done.stdout.splitlines()

@@ -91,7 +91,8 @@ def _workflows_help() -> str:
         lines = SchedulerSettings().load_registry().describe_inputs()
     except (ValidationError, WorkflowsUnloadable) as exc:  # every command builds this parser:
         return f"workflows: cannot load STEPSTREAM_SCHEDULER_WORKFLOWS: {exc}"  # say what is wrong, do not fail
-    return "workflows and their --input:\n" + "\n".join(f"  {line}" for line in lines)
+    return ("workflows and their --input (a sealed field is encrypted here, before it is sent, and opened only by "
+            "the steps that need it):\n" + "\n".join(f"  {line}" for line in lines))
 
 
 def _nonempty(text: str) -> str:

@@ -8,7 +8,7 @@ from confluent_kafka import KafkaError
 from pydantic import ValidationError
 
 from eventstore.errors import KafkaUnreachable, StepstreamError
-from eventstore.settings import ConsumerSettings, KafkaSecuritySettings
+from eventstore.kafka_settings import ConsumerSettings, KafkaSecuritySettings
 
 
 class KafkaSecurityError(StepstreamError, ValueError):

@@ -21,6 +21,7 @@ from contextlib import AbstractContextManager
 from typing import Any, Literal, Protocol
 
 Dialect = Literal["sqlite", "postgresql"]
+DEFAULT_SCHEMA = "stepstream"  # the PostgreSQL schema of the store's tables, unless its URL says ``?schema=``
 Script = str | Mapping[Dialect, str]
 
 MIGRATIONS: tuple[tuple[int, Script], ...] = (

@@ -22,8 +22,7 @@ import psycopg
 from psycopg import sql as pgsql
 
 from eventstore.errors import InfrastructureError
-from projections.migrations import Dialect, migrate
-from projections.settings import DEFAULT_SCHEMA
+from projections.migrations import DEFAULT_SCHEMA, Dialect, migrate
 from projections.store import SqliteStore, StagingRefused, Store, TableLayout, layouts_from_columns
 
 

@@ -17,11 +17,10 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from projections.migrations import DEFAULT_SCHEMA
+
 if TYPE_CHECKING:
     from projections.store import Store
-
-DEFAULT_SCHEMA = "stepstream"
-
 
 @dataclass(frozen=True)
 class StoreSpec:

@@ -1,10 +1,10 @@
 """The README's main job: a whole local system runs a batch of orders with faults switched on.
 
-It starts ``stepstream up`` (broker, order service, every service as a process, the API), makes the order
-service flaky (errors, throttling, latency), submits orders (half with the Python client, half over HTTP
-with a token made for this run, and one of them twice), one of them invalid, waits for every task to end,
-prints how each ended and what it took, then stops the system with SIGTERM and checks each service
-drained and exited 0.
+It starts ``stepstream up`` on the demo's project file (broker, order service, every service as a process,
+the API), makes the order service flaky (errors, throttling, latency), submits orders (half with the Python
+client, half over HTTP with a token made for this run, and one of them twice), one of them invalid, waits
+for every task to end, prints how each ended and what it took, then stops the system with SIGTERM and
+checks each service drained and exited 0.
 """
 
 from __future__ import annotations
@@ -34,6 +34,9 @@ from schemas.messages import SubmitTask
 from schemas.states import TERMINAL, TaskStatus
 from stepstream.client import Client
 from stepstream.local.up import refuse_if_up, wait_until_up
+from stepstream.project.files import activate, load_project
+
+PROJECT_FILE = Path(__file__).with_name("stepstream.toml")  # the demo's project: its workflows and its service
 
 
 def _orders(run_id: str, count: int) -> list[SubmitTask]:
@@ -53,8 +56,9 @@ def _orders(run_id: str, count: int) -> list[SubmitTask]:
 
 def run_demo(tasks: int = 20, timeout_s: float = 180.0) -> int:
     console = command_console()
+    home = KafkaSettings().home.resolve()  # where a command run here looks: the demo keeps its state there
+    _run_the_demos_project(home)
     kafka = KafkaSettings()
-    home = kafka.home.resolve()
     refuse_if_up(home)  # attaching to it would run without its token, and switch its faults on
     log_path = home / "logs" / "up.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -73,6 +77,15 @@ def run_demo(tasks: int = 20, timeout_s: float = 180.0) -> int:
         stopped = [line for line in log_path.read_text().splitlines() if line.startswith("stopped:")]
         console.print(f"system stopped with SIGTERM (exit {code}); {stopped[-1] if stopped else ''}",
                       highlight=False)
+
+
+def _run_the_demos_project(home: Path) -> None:
+    """Make the demo's project file the configuration of this process and of the ``up`` it starts, whatever
+    project the command was run in: its workflows, its agents and its order service."""
+    project = load_project(PROJECT_FILE)
+    os.environ["STEPSTREAM_SCHEDULER_WORKFLOWS"] = project.spec.project.workflows
+    os.environ["STEPSTREAM_HOME"] = str(home)
+    activate(project)
 
 
 def _orders_url(state: dict[str, object]) -> str:

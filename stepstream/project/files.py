@@ -2,8 +2,9 @@
 
 ``stepstream.toml`` in the working folder or the nearest of its parents (as git finds ``.git``, so a command
 run in a subfolder of the project reads it too), or the file (or folder) ``STEPSTREAM_PROJECT`` names; with
-neither, the built-in configuration: the demo (``demo.toml`` here), so ``stepstream up`` and ``make demo``
-run it with nothing configured.
+neither, the built-in configuration: the demo's project file (``stepstream.toml`` of the installed ``demo``
+package, found without importing it: the front does not depend on the demo), so ``stepstream up`` runs the
+demo with nothing configured.
 
 Every entry point reads it the same way (``configure``): the command line, the Python client and the outbox
 writer, so that a script run in the project folder submits to the project's workflows as ``stepstream
@@ -21,12 +22,12 @@ beside the file imports without the user setting anything.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 import tomllib
 from collections.abc import Iterable
 from dataclasses import dataclass
-from importlib.resources import files
 from pathlib import Path
 
 from pydantic import Field, ValidationError
@@ -37,7 +38,7 @@ from eventstore.settings import HOME_NAME
 from stepstream.project.model import AgentDecl, Project
 
 PROJECT_FILE = "stepstream.toml"
-BUILT_IN = "demo.toml"
+BUILT_IN_PACKAGE = "demo"  # whose project file is the configuration where no project file is found
 
 
 class ProjectRefused(StepstreamError):
@@ -68,7 +69,7 @@ class LoadedProject:
 
     def where(self) -> str:
         if self.file is None:
-            return (f"the built-in demo configuration (no {PROJECT_FILE} in {Path.cwd()}, "
+            return (f"the built-in demo configuration (no {PROJECT_FILE} in {Path.cwd()} or its parents, "
                     "and STEPSTREAM_PROJECT is not set)")
         return str(self.file)
 
@@ -96,7 +97,17 @@ def find_project(cwd: Path | None = None) -> LoadedProject:
     for folder in (here, *here.parents):
         if (folder / PROJECT_FILE).is_file():
             return load_project(folder / PROJECT_FILE)
-    return LoadedProject(parse(files(__package__).joinpath(BUILT_IN).read_text(), BUILT_IN), None)
+    built_in = built_in_file()
+    return LoadedProject(parse(built_in.read_text(), str(built_in)), None)
+
+
+def built_in_file() -> Path:
+    """The demo's project file, where the ``demo`` package is installed (located, not imported)."""
+    spec = importlib.util.find_spec(BUILT_IN_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ProjectRefused(f"no {PROJECT_FILE} in {Path.cwd()} or its parents, STEPSTREAM_PROJECT is not set, and "
+                             f"the built-in demo ({BUILT_IN_PACKAGE}) is not installed")
+    return Path(spec.origin).parent / PROJECT_FILE
 
 
 def load_project(path: Path) -> LoadedProject:

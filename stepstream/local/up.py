@@ -49,6 +49,7 @@ from stepstream.local.processes import ServiceProcesses, child_env
 from stepstream.local.restarts import RestartPolicy, RestartSettings
 from stepstream.project.agents import agent_url
 from stepstream.project.files import LoadedProject, find_project
+from stepstream.project.model import ServiceDecl
 
 READY_MARKER = "stepstream is up"
 API_MARKER = "api listening on"
@@ -130,21 +131,11 @@ def run_up(service_port: int | None = None) -> int:
     gave_up: str | None = None
     failed: Exception | None = None
     try:
-        for started in planned:  # before the agents that call them
-            project_services.start(procs, started, own[started.name], home, project.folder)
-        for name in services:
-            env = {"STEPSTREAM_METRICS_PORT": str(metrics[name])} if name in metrics else {}
-            if name in agents:
-                env |= _agent_env(project, name, urls)
-            procs.service(name, *(("agent", name) if name in agents else (name,)), env=env or None)
-        procs.start("api", "stepstream", "serve", "api", "--port", str(_api_port()))
-        for name in services:
-            procs.wait_started(name)
-        procs.wait_started("api", API_MARKER)
-    except (StepstreamError, TimeoutError) as exc:  # one ended or never started: said first, then all stop
-        failed = exc
-        console.print(f"[red]not up: {escape(str(exc))}[/red]", highlight=False)
-    try:
+        try:
+            _start(procs, planned, own, services, agents, project, home, urls, metrics)
+        except (StepstreamError, TimeoutError) as exc:  # one ended or never started: said first, then all stop
+            failed = exc
+            console.print(f"[red]not up: {escape(str(exc))}[/red]", highlight=False)
         if failed is None:
             api_url = re.findall(API_MARKER + r" (http://\S+)", procs.log("api"))[0]
             state = {"pid": os.getpid(), "bootstrap": bootstrap, "services": urls, "topic_prefix": layout.prefix,
@@ -170,6 +161,24 @@ def run_up(service_port: int | None = None) -> int:
     if failed is not None or gave_up is not None:
         _after_failure(console, broker, home, started_broker and failed is not None)
     return 0 if failed is None and gave_up is None and all(code == 0 for code in codes.values()) else 1
+
+
+def _start(procs: ServiceProcesses, planned: list[project_services.StartedService], own: dict[str, ServiceDecl],
+           services: list[str], agents: list[str], project: LoadedProject, home: Path, urls: dict[str, str],
+           metrics: dict[str, int]) -> None:
+    """Start the project's services (answering before the agents that call them start), then every service
+    and the API, and return once each said it started."""
+    for started in planned:
+        project_services.start(procs, started, own[started.name], home, project.folder)
+    for name in services:
+        env = {"STEPSTREAM_METRICS_PORT": str(metrics[name])} if name in metrics else {}
+        if name in agents:
+            env |= _agent_env(project, name, urls)
+        procs.service(name, *(("agent", name) if name in agents else (name,)), env=env or None)
+    procs.start("api", "stepstream", "serve", "api", "--port", str(_api_port()))
+    for name in services:
+        procs.wait_started(name)
+    procs.wait_started("api", API_MARKER)
 
 
 def _after_failure(console: Console, broker: LocalBroker | None, home: Path, stop_broker: bool) -> None:

@@ -101,6 +101,25 @@ def test_retry_after_longer_than_the_backoff_is_a_floor_for_the_next_attempt() -
     assert timer.not_before == NOW + timedelta(seconds=10) and timer.error_kind == "throttled"
 
 
+def test_a_throttled_attempt_charges_its_calls_but_counts_no_failure_of_the_step() -> None:
+    state, events = run(started(), failure(started(), calls=2, kind="throttled", retry_after_s=2))
+    failed, timer = events
+    assert isinstance(failed, StepFailed) and failed.failure_count == 0 and failed.calls == 2
+    assert isinstance(timer, StepRetryScheduled) and timer.not_before == NOW + timedelta(seconds=2)
+    step = state.steps[0]
+    assert (step.status, step.failure_count, step.calls_used) == ("waiting", 0, 2)
+
+
+def test_a_step_throttled_on_every_attempt_still_ends_when_its_call_budget_is_spent() -> None:
+    state, attempts = started(), 0
+    while state.status == "running" and state.steps[0].status == "processing":
+        attempts += 1
+        state, _ = run(state, failure(state, calls=1, kind="throttled", retry_after_s=0))
+    step = state.steps[0]
+    assert attempts == 4 and (step.calls_used, step.failure_count) == (4, 0), "the budget ends it, not failures"
+    assert state.status != "running", f"escalated: {state.status}"
+
+
 @pytest.mark.parametrize("kind", ["breaker_open", "budget_spent"])
 def test_an_attempt_refused_without_a_call_is_deferred_and_counts_no_failure_and_no_call(kind: ErrorKind) -> None:
     state, events = run(started(), failure(started(), calls=0, kind=kind, retry_after_s=7.5))

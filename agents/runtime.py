@@ -126,6 +126,8 @@ Sleeper = Callable[[float], bool]
 Stop = tuple[str, str, TransientError | None]
 PACE_POLL_S = 0.01
 """How often an attempt waiting for its dependency's pace looks again (calls end within milliseconds)."""
+PACED_OUT_WAIT_S = 1.0
+"""The least wait asked of the scheduler for an attempt its dependency's pace kept from calling."""
 
 
 @dataclass
@@ -204,8 +206,11 @@ class Agent:
                 return self._give_up(attempt, *refused)
             began = self._admit(attempt, dep)
             if began is None:
-                return self._give_up(attempt, "deadline", "the dependency's pace admitted no call before the deadline",
-                                     None)
+                # Paced out: like a throttle, not a failure of the step; the scheduler tries again later.
+                paced = TransientError(f"{self.dependency!r} is at the limit its throttles set "
+                                       f"({dep.pace.snapshot().limit:.1f} calls in flight) until the deadline",
+                                       kind="throttled", retry_after_s=PACED_OUT_WAIT_S)
+                return self._give_up(attempt, "paced", str(paced), paced)
             if not dep.breaker.try_acquire():
                 dep.pace.finished(began)
                 refusal = CircuitOpenError(self.dependency, dep.breaker.retry_in_s())

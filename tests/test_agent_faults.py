@@ -230,10 +230,14 @@ def test_every_call_times_out_and_no_call_starts_after_the_deadline(
     admin.set_faults(OP, hang=True, hang_max_s=30)
     policy = unguarded(RetryPolicy(max_retries=50, initial_backoff_s=0.05, max_backoff_s=0.1, call_timeout_s=0.3))
     timed = CallTimes(http_handler(service.base_url, OP))
+    # The agent's wall clock is read off the monotonic one, so the request's deadline is one exact monotonic
+    # instant for the agent and for this test alike (two separate readings of two clocks drift apart).
+    base_wall, base = datetime.now(UTC), time.monotonic()
     req = request(calls_allowed=50, deadline_s=1.5)
-    started = time.monotonic()
-    deadline = started + (req.complete_by - datetime.now(UTC)).total_seconds()  # the same instant, monotonic
-    result = agent(service, policy, handler=timed).execute(req)
+    deadline = base + (req.complete_by - base_wall).total_seconds()
+    worker = Agent("inventory", timed, policy, dependency=dependency(),
+                   now=lambda: base_wall + timedelta(seconds=time.monotonic() - base))
+    result = worker.execute(req)
     finished = time.monotonic()
 
     assert not result.ok and not result.permanent and 2 <= result.calls <= 5

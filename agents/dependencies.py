@@ -56,9 +56,10 @@ def outcome_of(fault: Fault | None) -> str:
 
 
 class Tally:
-    """Call outcomes of one dependency: totals, and a line logged at most every ``every_s`` with what
-    happened since the last one (only when something went wrong). Lazy: the call that finds the interval
-    passed logs it, so there is no thread. Thread-safe; the clock is injected."""
+    """Call outcomes of one dependency: totals, and what went wrong logged in aggregate -- the first trouble
+    at once, then at most one line every ``every_s`` saying what happened since the last one, and what is
+    left at :meth:`flush` (the agent stopping). Lazy: the call that finds the interval passed logs it, so
+    there is no thread. Thread-safe; the clock is injected."""
 
     def __init__(self, name: str, clock: Callable[[], float], every_s: float = LOG_EVERY_S) -> None:
         self._name = name
@@ -68,20 +69,38 @@ class Tally:
         self.totals = dict.fromkeys(OUTCOMES, 0)
         self._recent = dict.fromkeys(OUTCOMES, 0)
         self._since = clock()
+        self._last_line = float("-inf")
 
     def count(self, outcome: str) -> None:
         with self._lock:
             self.totals[outcome] += 1
             self._recent[outcome] += 1
-            now = self._clock()
-            if now - self._since < self._every_s:
-                return
-            recent, self._recent = self._recent, dict.fromkeys(OUTCOMES, 0)
-            interval, self._since = now - self._since, now
-        if recent["throttled"] or recent["failed"] or recent["timed_out"]:
-            log.warning(f"{self._name}: {recent['throttled']} throttled, {recent['failed']} failed, "
-                        f"{recent['timed_out']} timed out of {sum(recent.values())} calls in the last "
-                        f"{interval:.0f} s", dependency=self._name, interval_s=round(interval, 3), **recent)
+            line = self._take(self._clock()) if self._clock() - self._last_line >= self._every_s else None
+        self._log(line)
+
+    def flush(self) -> None:
+        """Log what went wrong since the last line, if anything did."""
+        with self._lock:
+            line = self._take(self._clock())
+        self._log(line)
+
+    def _take(self, now: float) -> tuple[dict[str, int], float] | None:
+        """The counts since the last line and the interval they cover, when there was trouble (lock held);
+        a quiet interval is dropped, so the next line speaks of recent calls only."""
+        recent, interval = self._recent, now - self._since
+        self._recent, self._since = dict.fromkeys(OUTCOMES, 0), now
+        if not (recent["throttled"] or recent["failed"] or recent["timed_out"]):
+            return None
+        self._last_line = now
+        return recent, interval
+
+    def _log(self, line: tuple[dict[str, int], float] | None) -> None:
+        if line is None:
+            return
+        recent, interval = line
+        log.warning(f"{self._name}: {recent['throttled']} throttled, {recent['failed']} failed, "
+                    f"{recent['timed_out']} timed out of {sum(recent.values())} calls in the last {interval:.0f} s",
+                    dependency=self._name, interval_s=round(interval, 3), **recent)
 
 
 @dataclass(frozen=True)
@@ -210,6 +229,13 @@ class DependencyRegistry:
                 return dependency
         dependency.apply(policy)
         return dependency
+
+    def flush(self) -> None:
+        """Log every dependency's trouble not yet logged (the agent is stopping)."""
+        with self._lock:
+            dependencies = list(self._by_name.values())
+        for dependency in dependencies:
+            dependency.tally.flush()
 
     def snapshots(self) -> list[DependencyState]:
         """Every dependency's state now, by name."""

@@ -147,13 +147,20 @@ def test_calls_are_logged_as_one_line_per_dependency_per_interval_telling_thrott
             tally.count("throttled" if n < 120 else "failed" if n < 123 else "ok")
         clock.advance(10.5)
         tally.count("timed_out")
-    (line,) = logs
-    assert line["event"] == "payments: 120 throttled, 3 failed, 1 timed out of 131 calls in the last 17 s"
-    assert (line["throttled"], line["failed"], line["timed_out"], line["ok"]) == (120, 3, 1, 7)
+    first, line = logs
+    assert first["event"] == "payments: 1 throttled, 0 failed, 0 timed out of 1 calls in the last 0 s", "at once"
+    assert line["event"] == "payments: 119 throttled, 3 failed, 1 timed out of 130 calls in the last 17 s"
+    assert (line["throttled"], line["failed"], line["timed_out"], line["ok"]) == (119, 3, 1, 7)
     with capture_logs() as quiet:
         clock.advance(11)
         tally.count("ok")
+        tally.flush()
     assert quiet == [], "an interval of successes says nothing"
+    with capture_logs() as last:
+        tally.count("throttled")
+        tally.count("throttled")
+        tally.flush()
+    assert [e["throttled"] for e in last] == [1, 1], "trouble after a quiet spell at once; the rest on stopping"
 
 
 # ---- an attempt against a throttling service -------------------------------------------------------------

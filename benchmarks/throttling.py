@@ -14,8 +14,8 @@ ten to ``shipping/create`` answered ``429``, ``Retry-After: 1``. ``--tasks`` thr
 
 Reported per run: the seconds from the first submission to the last end, how the orders ended, the orders
 whose end disagrees with the service's records (must be 0), calls and attempts per throttled step at the
-service (max and mean), and the warning lines the agents logged. Progress goes to stderr; the last line of
-stdout is one JSON object.
+service (max and mean), and the warning lines the agents logged, their stop included. Progress goes to
+stderr; the last line of stdout is one JSON object.
 """
 
 from __future__ import annotations
@@ -77,13 +77,14 @@ def one_run(bootstrap: str, tmp: Path, scenario: str, tasks: int) -> dict[str, A
             seconds, statuses = run_orders(system, scenario, tasks, patience_s=600)
             calls = [system.admin.calls()["requests"][operation].get(f"{t}:{step}", 0) for t in statuses]
             attempts = Counter(e.task_id for e in system.events() if isinstance(e, StepStarted) and e.step == step)
-            return {"seconds": round(seconds, 1), "outcomes": dict(Counter(statuses.values())),
-                    "disagreeing": len(disagreements(system, statuses, statuses)),
-                    "calls_per_step": {"max": max(calls), "mean": round(mean(calls), 2)},
-                    "attempts_per_step": {"max": max(attempts.values()), "mean": round(mean(attempts.values()), 2)},
-                    "warning_lines": warnings_logged(system)}
+            result = {"seconds": round(seconds, 1), "outcomes": dict(Counter(statuses.values())),
+                      "disagreeing": len(disagreements(system, statuses, statuses)),
+                      "calls_per_step": {"max": max(calls), "mean": round(mean(calls), 2)},
+                      "attempts_per_step": {"max": max(attempts.values()),
+                                            "mean": round(mean(attempts.values()), 2)}}
         finally:
             system.stop()
+        return {**result, "warning_lines": warnings_logged(system)}  # after the stop: its last lines too
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ from scheduler.decider.compensation import begin_compensation
 from scheduler.decider.decision import Builder
 from scheduler.decider.ids import attempt_id
 from scheduler.decider.state import StepState
-from scheduler.decider.timers import defer_s, not_before, past_total, schedule, suggested_s, wait_s
+from scheduler.decider.timers import defer_s, not_before, past_total, schedule, suggested_s, wait_reason, wait_s
 from scheduler.workflow import Workflow
 from schemas.messages import (
     OperatorAlert,
@@ -124,7 +124,7 @@ def _retry_or_escalate(builder: Builder, workflow: Workflow, index: int, result:
         start_attempt(builder, workflow, index)
         return
     schedule(builder, index, step.attempt + 1, delay,
-             f"back-off after {step.failure_count} failed attempt(s) of step {step.name!r}: {step.error}",
+             wait_reason(result, step.failure_count, f"attempt(s) of step {step.name!r}", step.error),
              compensation=False, kind=kind)
 
 

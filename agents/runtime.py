@@ -340,7 +340,10 @@ class Agent:
             wait = refused.retry_after_s
         elif last is not None and last.retry_after_s is not None:
             wait = max(0.0, attempt.next_delay_s - (self._monotonic() - attempt.answered_at))
-        fault = last if throttled or refused is None else refused
+        # A refusal names the kind, unless a call was made and the refusal would disguise it: a failure
+        # then paced out stays a failure, a throttle then refused stays a throttle.
+        disguised = last is not None and (throttled or refused is None or refused.kind == "throttled")
+        fault = last if disguised else refused
         kind = _ERROR_KIND[fault.kind] if fault is not None else None
         return self._answer(attempt, False, "transient", error=error, kind=kind, retry_after_s=wait)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -179,7 +180,8 @@ GUARDED = DependencyPolicy(breaker=BreakerPolicy(failure_threshold=1, failure_ra
 """A breaker that opens on one failure and a budget of no retries: a throttle counted by either shows."""
 
 
-def scripted(clock: FakeTime, answers: list[Exception | None], policy: DependencyPolicy = GUARDED) -> Agent:
+def scripted(clock: FakeTime, answers: list[Exception | None], policy: DependencyPolicy = GUARDED,
+             sleep: Callable[[float], bool] | None = None) -> Agent:
     def handler(call: Call) -> dict[str, Any]:
         clock.advance(0.01)
         answer = answers.pop(0)
@@ -187,7 +189,7 @@ def scripted(clock: FakeTime, answers: list[Exception | None], policy: Dependenc
             raise answer
         return {"paid": True}
 
-    return Agent("payout", handler, policy, sleep=clock.sleep, monotonic=clock.monotonic, now=clock.wall,
+    return Agent("payout", handler, policy, sleep=sleep or clock.sleep, monotonic=clock.monotonic, now=clock.wall,
                  dependencies=DependencyRegistry(clock))
 
 
@@ -220,6 +222,23 @@ def test_an_attempt_the_pace_keeps_from_calling_until_its_deadline_is_a_throttle
     assert held is not None, "another attempt's call is in flight"
     result = agent.execute(request(clock=clock, deadline_s=0.5))
     assert not result.ok and result.calls == 0 and result.throttled and result.retry_after_s == 1.0
+
+
+def test_a_failed_call_then_paced_out_stays_a_failure_of_the_step() -> None:
+    clock = FakeTime()
+    policy = DependencyPolicy(pace=PacePolicy(initial_limit=1, max_limit=1))
+    held: list[float | None] = []
+
+    def sleep(seconds: float) -> bool:
+        if not held:
+            held.append(pace.try_start())  # another attempt's call takes the only slot during the back-off
+        return clock.sleep(seconds)
+
+    agent = scripted(clock, [classify_status(503), None], policy, sleep)
+    pace = agent.dependencies.get(agent.dependency, policy).pace
+    result = agent.execute(request(clock=clock, deadline_s=1.0))
+    assert held != [None] and result.calls == 1 and not result.ok
+    assert result.error_kind == "server_error" and not result.throttled, "the pace does not disguise the 503"
 
 
 # ---- a keep-alive connection the service closed ----------------------------------------------------------

@@ -18,6 +18,7 @@ import pytest
 from schemas.messages import StepFailed, StepStarted
 from tests.agreement import disagreements
 from tests.system import System
+from tests.workflows import ORDERS_V1
 
 pytestmark = pytest.mark.kafka
 
@@ -64,13 +65,20 @@ def test_a_service_throttling_the_first_two_calls_of_every_charge_paces_all_task
     assert all(e.failure_count == 0 for e in failures), "a throttle is not a failure of the step"
 
 
-def test_a_service_answering_429_to_three_calls_in_ten_completes_every_task(system: System) -> None:
+def test_a_service_answering_429_to_three_calls_in_ten_completes_every_task_it_does_not_throttle_for_good(
+    system: System,
+) -> None:
     system.admin.set_faults("shipping/create", throttle_rate=0.3, retry_after_s=1)
     took_s, statuses = run_orders(system, "busy", TASKS // 2)
 
-    assert Counter(statuses.values()) == {"completed": TASKS // 2}, f"every task completes (took {took_s:.1f}s)"
+    # A shipment refused on every call of its budget (8 calls: 0.3 ** 8, one order in 15,000) may end the
+    # order in error; any other order completes.
+    outcomes = system.admin.calls()["outcomes"]["shipping/create"]
+    (ship,) = [step for step in ORDERS_V1.steps if step.name == "ship"]
+    unlucky = {t for t in statuses if outcomes.get(f"{t}:ship") == {"429": ship.attempt_budget}}
+    assert {t for t, s in statuses.items() if s != "completed"} <= unlucky, f"took {took_s:.1f}s"
     assert disagreements(system, statuses, statuses) == {}
     ended = [e for e in system.events() if isinstance(e, StepFailed) and e.step == "ship"]
-    shipped = sum(system.admin.calls()["requests"]["shipping/create"].values())
-    assert len(ended) <= shipped - TASKS // 2, "an attempt ended short only on a call the service throttled"
+    throttled = sum(per_key.get("429", 0) for per_key in outcomes.values())
+    assert 0 < len(ended) <= throttled, "an attempt ended short only on a call the service throttled"
     assert all(e.failure_count == 0 for e in ended), "and none of them counts as a failure of the step"

@@ -2,6 +2,7 @@
 
 ``runtime`` (the attempt loop), ``faults`` (transient vs permanent), ``retry`` (back-off maths),
 ``budget`` (retries per dependency per window), ``breaker`` (circuit breaker per dependency),
-``dependencies`` (their shared per-process state), ``policy`` (the central, hot-reloaded configuration),
+``pace`` (how many calls a throttling dependency gets at once), ``dependencies`` (their shared
+per-process state, and per-dependency counts and logs), ``policy`` (the central, hot-reloaded configuration),
 ``http`` (a handler that sends a request to a service). A project declares its agents in ``stepstream.toml``.
 """

@@ -5,7 +5,8 @@ policy, retry budget, circuit breaker, the scheduler's answer) only needs that o
 detail:
 
 - :class:`TransientError`: worth another call later -- timeouts, connection errors, 429 and 5xx (and
-  408). It carries a *kind* (for logs and metrics: throttling is not a dead server) and optionally the
+  408). It carries a *kind* (for logs, metrics and the breaker: throttling -- a 429, or any of these
+  carrying ``Retry-After`` -- is not a dead server) and optionally the
   delay the service or the handler suggests (``Retry-After``), which takes precedence over back-off.
 - :class:`PermanentError`: the service said no for good -- other 4xx, validation errors. Retrying
   would only repeat the refusal and spend the step's budget, so the step fails at once.
@@ -103,15 +104,17 @@ def parse_retry_after(value: str | None, now: datetime | None = None) -> float |
 def classify_status(status: int, *, retry_after_s: float | None = None, detail: str = "") -> Fault | None:
     """The fault an HTTP status means, or None for success (< 400).
 
-    408, 429 and 5xx are transient; 409 (a newer attempt already reached the service: this attempt is
-    fenced off), 410 (the step was already undone: its key is tombstoned) and every other 4xx are
-    permanent. ``Retry-After`` is kept on transient answers only.
+    408, 429 and 5xx are transient (a throttle when it is a 429 or carries ``Retry-After``); 409 (a newer
+    attempt already reached the service: this attempt is fenced off), 410 (the step was already undone: its
+    key is tombstoned) and every other 4xx are permanent. ``Retry-After`` is kept on transient answers only.
     """
     suffix = f": {detail}" if detail else ""
     if status < 400:
         return None
-    if status == 429:
-        return TransientError(f"throttled (429){suffix}", retry_after_s=retry_after_s, kind="throttled", status=status)
+    if status == 429 or (retry_after_s is not None and (status == 408 or status >= 500)):
+        # A Retry-After is the service's own recovery timeline: it is pacing us, not down (agents.pace).
+        return TransientError(f"throttled ({status}){suffix}", retry_after_s=retry_after_s, kind="throttled",
+                              status=status)
     if status == 408:
         return TransientError(f"request timeout (408){suffix}", retry_after_s=retry_after_s, kind="timeout",
                               status=status)

@@ -4,6 +4,10 @@ Timeouts, connection errors, 408, 429 and 5xx are transient; a 409 means a newer
 reached the service (fencing), a 410 that the step was already undone (its key is tombstoned), and every
 other 4xx is a permanent refusal. ``Retry-After`` (seconds or an
 HTTP date) is passed on. The classification itself lives in :mod:`agents.faults`.
+
+A request that dies on a reused keep-alive connection before any answer (``RemoteProtocolError``: the
+service closed the idle connection as we sent on it) is sent again once, at once, on a fresh connection:
+it is the pool's mishap, not the service's failure, and the idempotency key makes it safe.
 """
 
 from __future__ import annotations
@@ -12,10 +16,14 @@ from collections.abc import Mapping
 from typing import Any
 
 import httpx
+from prometheus_client import Counter
 
 from agents.faults import TransientError, classify_response
 from agents.runtime import AgentHandler, Call
 from eventstore.tracing import current_headers
+
+KEEPALIVE_RESENDS = Counter("stepstream_agent_keepalive_resends_total",
+                            "Requests sent again at once because a reused keep-alive connection died before any answer")
 
 
 def request_body(step_input: dict[str, Any]) -> dict[str, Any]:
@@ -58,11 +66,21 @@ def http_handler(base_url: str, path: str, client: httpx.Client | None = None, *
     url = f"{base_url.rstrip('/')}/{path.lstrip('/')}"
     fixed = dict(headers or {})
 
+    def send(request: Call, timeout: float) -> httpx.Response:
+        return http.request(method, url, json=request_body(request.request.input),
+                            headers={**fixed, **request_headers(request)}, timeout=timeout)
+
     def call(request: Call) -> dict[str, Any]:
         timeout = request.timeout_s if max_timeout_s is None else min(request.timeout_s, max_timeout_s)
         try:
-            response = http.request(method, url, json=request_body(request.request.input),
-                                    headers={**fixed, **request_headers(request)}, timeout=timeout)
+            try:
+                response = send(request, timeout)
+            except httpx.RemoteProtocolError:
+                # The service closed a pooled keep-alive connection as we reused it: the request died before
+                # any answer. The pool has dropped that connection, so this goes out on a fresh one; the
+                # idempotency key makes a second send safe, and it is not a failure of the service.
+                KEEPALIVE_RESENDS.inc()
+                response = send(request, timeout)
         except httpx.TimeoutException as exc:
             raise TransientError(f"{path}: timed out after {timeout:.1f}s", kind="timeout") from exc
         except httpx.TransportError as exc:

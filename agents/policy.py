@@ -17,6 +17,13 @@ restart. The document (TOML or JSON, chosen by the file's extension)::
     window_s = 10.0
     open_for_s = 5.0
 
+    [defaults]                       # which faults the breaker counts (throttles are left out)
+    breaker_records = ["timeout", "connection", "server_error"]
+
+    [defaults.pace]                  # how throttles slow a dependency down (agents.pace)
+    decrease = 0.7
+    wait_in_attempt_s = 1.0
+
     [dependencies.orders.retry]      # only what differs for "orders"; the rest comes from defaults
     max_retries = 5
 
@@ -44,7 +51,7 @@ import time
 import tomllib
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import structlog
 from prometheus_client import Counter
@@ -52,6 +59,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from agents.breaker import BreakerPolicy
 from agents.budget import BudgetPolicy
+from agents.faults import Fault, PermanentError, TransientKind
+from agents.pace import PacePolicy
 from agents.retry import RetryPolicy
 
 log = structlog.get_logger("stepstream.agent.policy")
@@ -64,14 +73,32 @@ class PolicyError(ValueError):
     """A policy document that cannot be used; the message names the file and the offending fields."""
 
 
+#: What the breaker makes of a call's outcome: a success, a failure, or nothing at all (ignored).
+Verdict = Literal["success", "failure", "ignored"]
+
+
 class DependencyPolicy(BaseModel):
-    """Everything that governs calls to one dependency."""
+    """Everything that governs calls to one dependency.
+
+    ``breaker_records`` is which transient faults the breaker counts as failures (resilience4j's recorded
+    exceptions): by default a service that is down -- refused connections, timeouts, 5xx without
+    ``Retry-After``. A throttle is the service pacing us (:mod:`agents.pace`), so it is ignored unless named
+    here; a permanent refusal is an answer, so it counts as a success (the service is up).
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     retry: RetryPolicy = Field(default_factory=RetryPolicy)
     budget: BudgetPolicy = Field(default_factory=BudgetPolicy)
     breaker: BreakerPolicy = Field(default_factory=BreakerPolicy)
+    pace: PacePolicy = Field(default_factory=PacePolicy)
+    breaker_records: frozenset[TransientKind] = frozenset({"timeout", "connection", "server_error"})
+
+    def verdict(self, fault: Fault | None) -> Verdict:
+        """What the breaker records for a call that ended with ``fault`` (None: it succeeded)."""
+        if fault is None or isinstance(fault, PermanentError):
+            return "success"
+        return "failure" if fault.kind in self.breaker_records else "ignored"
 
 
 class AgentPolicy(BaseModel):

@@ -18,7 +18,9 @@ to the next, ``1.0`` is AWS's "full jitter".
 ``immediate_first_retry`` allows one retry without any delay (a dropped connection is often fixed by
 simply reconnecting); only the first retry may be immediate, so a failing service is never hammered.
 A ``Retry-After`` (or a handler's suggested delay) replaces the computed delay: the service knows its own
-recovery time better than our formula does.
+recovery time better than our formula does. It is a floor, so it is jittered upward only (by up to
+``retry_after_jitter`` of itself): many calls throttled at once with the same ``Retry-After`` would
+otherwise all come back in the same instant.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ class RetryPolicy(BaseModel):
     increment_s: float = Field(default=0.1, ge=0, description="growth per retry of 'incremental'")
     max_backoff_s: float = Field(default=5.0, gt=0, description="cap on any computed delay (not on Retry-After)")
     jitter: float = Field(default=0.5, ge=0.0, le=1.0, description="share of the delay that is randomised")
+    retry_after_jitter: float = Field(default=0.2, ge=0.0, le=1.0,
+                                      description="a Retry-After is stretched by up to this share (upward only)")
     immediate_first_retry: bool = Field(default=False, description="the first retry, and only it, has no delay")
     call_timeout_s: float = Field(default=10.0, gt=0, description="timeout of every single call")
     min_call_time_s: float | None = Field(
@@ -79,9 +83,11 @@ class RetryPolicy(BaseModel):
         return min(delay, self.max_backoff_s)
 
     def delay(self, retry: int, rng: random.Random, retry_after_s: float | None = None) -> float:
-        """Seconds to wait before retry number ``retry``: ``retry_after_s`` if given, else jittered back-off."""
+        """Seconds to wait before retry number ``retry``: ``retry_after_s`` stretched upward if given, else
+        jittered back-off."""
         if retry_after_s is not None:
-            return max(0.0, retry_after_s)
+            # Stretched, never shortened: calls throttled together do not all come back together.
+            return max(0.0, retry_after_s) * (1.0 + rng.uniform(0.0, self.retry_after_jitter))
         ceiling = self.base_delay(retry)
         if ceiling == 0.0 or self.jitter == 0.0:
             return ceiling

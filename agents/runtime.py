@@ -7,13 +7,16 @@ finish before the attempt's deadline (the dependency's usual call time, or the p
 ``min_call_time_s``), and passes the step's idempotency key (stable across attempts) and the attempt
 number (a fencing token) to the service, which is what makes redelivery after a crash safe.
 
-Within one attempt, transient faults are retried under the dependency's policy (:mod:`agents.policy`):
-back-off with jitter or the service's Retry-After (:mod:`agents.retry`), a timeout on every call, the
-dependency's retry budget (:mod:`agents.budget`) and circuit breaker (:mod:`agents.breaker`), shared by
+Within one attempt (:class:`Attempt`: its calls, deadline, last fault and next delay), transient faults
+are retried under the dependency's policy (:mod:`agents.policy`): back-off with jitter or the service's
+Retry-After (:mod:`agents.retry`), a timeout on every call, the dependency's retry budget
+(:mod:`agents.budget`), circuit breaker (:mod:`agents.breaker`) and pace (:mod:`agents.pace`), shared by
 every attempt in flight. Whatever stops the retries -- the allowance, the deadline, the retry limit, a
-spent budget, an open breaker -- the attempt is answered as a transient failure carrying the calls
-actually made, and the scheduler counts them against the step's end-to-end budget; so agent and
-supervisor retries together never exceed it.
+spent budget, an open breaker, a throttle asking for a longer wait than an attempt waits -- the attempt is
+answered as a transient failure carrying the calls actually made and the least wait the agent learned,
+and the scheduler counts the calls against the step's end-to-end budget (so agent and supervisor retries
+together never exceed it) and turns the wait into a durable timer. A throttled answer is not a failure of
+the step, and an answer refused without a call (open breaker, spent budget) is a deferral.
 """
 
 from __future__ import annotations
@@ -31,9 +34,10 @@ from opentelemetry.trace import SpanKind, StatusCode
 from prometheus_client import Counter, Histogram
 
 from agents.breaker import BreakerState
-from agents.dependencies import Dependency, DependencyRegistry
+from agents.dependencies import Dependency, DependencyRegistry, outcome_of
 from agents.faults import (
     CircuitOpenError,
+    Fault,
     PermanentError,
     RetryBudgetExhausted,
     TransientError,
@@ -77,7 +81,8 @@ _ERROR_KIND: dict[TransientKind, ErrorKind] = {
 """The agent's fault kinds as the scheduler knows them: a refusal to call is what the breaker or budget did."""
 
 _SECONDS = (0.005, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30)
-CALLS = Counter("stepstream_agent_calls_total", "Calls made to remote services, by outcome",
+CALLS = Counter("stepstream_agent_calls_total",
+                "Calls made to remote services, by outcome: ok, throttled, failed, timed_out, rejected",
                 ["agent", "dependency", "outcome"])
 RETRIES = Counter("stepstream_agent_retries_total", "Retries decided after a transient fault, by cause",
                   ["agent", "dependency", "cause"])
@@ -117,6 +122,30 @@ AgentHandler = Callable[[Call], dict[str, Any]]
 Sleeper = Callable[[float], bool]
 
 
+#: Why an attempt stops: the reason (a metric label), the words for the error, the refusal (no call made).
+Stop = tuple[str, str, TransientError | None]
+PACE_POLL_S = 0.01
+"""How often an attempt waiting for its dependency's pace looks again (calls end within milliseconds)."""
+PACED_OUT_WAIT_S = 1.0
+"""The least wait asked of the scheduler for an attempt its dependency's pace kept from calling."""
+
+
+@dataclass
+class Attempt:
+    """One attempt in progress: what it has spent, its deadline (monotonic), what it last learned."""
+
+    request: AgentRequest
+    started: float
+    deadline: float
+    calls: int = 0
+    retries: int = 0
+    last: TransientError | None = None
+    answered_at: float = 0.0
+    """When ``last`` was answered: a wait the service asked for runs from then."""
+    next_delay_s: float = 0.0
+    """The wait before the next call, once ``last`` is known (Retry-After, or the back-off)."""
+
+
 class AttemptAbandoned(Exception):
     """The agent is draining mid-retry: leave the request uncommitted so the next owner redoes it."""
 
@@ -133,9 +162,10 @@ class Agent:
     """Runs attempts of steps against one dependency (``dependency``, by default the agent's name).
 
     ``policy`` is where the fault-handling policy comes from -- a provider that may change it at run time
-    (:class:`agents.policy.FilePolicy`), or a fixed policy. ``dependencies`` holds the breaker and retry
-    budget, shared by every agent given the same registry. ``sleep``, ``monotonic``, ``now`` and ``rng``
-    are injectable so tests can observe and steer back-off without patching.
+    (:class:`agents.policy.FilePolicy`), or a fixed policy. ``dependencies`` holds the breaker, retry
+    budget and pace, shared by every agent given the same registry (agents built from a project share the
+    process's, :func:`agents.dependencies.process_registry`; by default an agent has its own). ``sleep``,
+    ``monotonic``, ``now`` and ``rng`` are injectable so tests can observe and steer back-off without patching.
     """
 
     def __init__(self, name: str, handler: AgentHandler,
@@ -164,119 +194,171 @@ class Agent:
 
     def execute(self, request: AgentRequest, accepted_at: datetime | None = None) -> StepResult:
         """Run one attempt, taken at ``accepted_at`` (default: now), to an answer; every outcome is a result
-        for the scheduler, unless draining. Its deadline is the request's work deadline from that moment."""
-        started = self._monotonic()
-        deadline = request.work_deadline(accepted_at or self._now())
-        dep = self.dependency
-        calls = 0
-        retries = 0
-        last: TransientError | None = None
-        last_answered = started
-        context = {"agent": self.name, "dependency": dep, "task_id": request.task_id, "step": request.step,
-                   "attempt": request.attempt}
-
-        def remaining_s() -> float:
-            return (deadline - self._now()).total_seconds()
-
-        def answer(ok: bool, outcome: str, *, output: dict[str, Any] | None = None, error: str | None = None,
-                   permanent: bool = False, kind: ErrorKind | None = None,
-                   retry_after_s: float | None = None) -> StepResult:
-            STEP_SECONDS.labels(self.name, dep, outcome).observe(self._monotonic() - started)
-            return StepResult(task_id=request.task_id, step=request.step, attempt_id=request.attempt_id, ok=ok,
-                              output=output, error=error, permanent=permanent, calls=calls, error_kind=kind,
-                              retry_after_s=retry_after_s)
-
-        def give_up(reason: str, why: str, refused: TransientError | None = None) -> StepResult:
-            """Stop retrying: a transient failure, so the scheduler may try again within the step's budget.
-
-            What the agent learned goes back with it: the kind of the fault that stopped it (the refusal,
-            else the last call's) and the least the next attempt should wait, measured from now: a refusal's
-            (the breaker's remaining open time) or the service's ``Retry-After`` less the time since.
-            """
-            GAVE_UP.labels(self.name, dep, reason).inc()
-            error = f"{why} after {calls} call(s)" + (f"; last error: {last}" if last is not None else "")
-            log.warning("attempt failed transiently", reason=reason, calls=calls, error=error, **context)
-            fault = refused or last
-            wait: float | None = None
-            if refused is not None:
-                wait = refused.retry_after_s
-            elif last is not None and last.retry_after_s is not None:
-                wait = max(0.0, last.retry_after_s - (self._monotonic() - last_answered))
-            kind = _ERROR_KIND[fault.kind] if fault is not None else None
-            return answer(False, "transient", error=error, kind=kind, retry_after_s=wait)
-
+        for the scheduler, unless draining. Its deadline is the request's work deadline from that moment,
+        placed on the agent's monotonic clock once, from one reading of each clock."""
+        started, wall = self._monotonic(), self._now()
+        deadline = started + (request.work_deadline(accepted_at or wall) - wall).total_seconds()
+        attempt = Attempt(request, started, deadline)
         while True:
-            policy, guard = self._guard()
-            remaining = remaining_s()
-            if remaining <= 0:
-                return give_up("deadline", "deadline passed")
-            needed = guard.time_needed()
-            if remaining < needed:
-                # A call cut off by the deadline may still land at the service: an unknown outcome the
-                # task would have to undo. Not starting it leaves nothing unknown.
-                return give_up("deadline", f"{remaining:.3f}s left before the deadline, a call needs {needed:.3f}s: "
-                                           "not started")
-            if calls >= request.calls_allowed:
-                return give_up("allowance", f"call allowance of {request.calls_allowed} spent")
-            if not guard.breaker.try_acquire():
-                refusal: TransientError = CircuitOpenError(dep, guard.breaker.retry_in_s())
-                return give_up("circuit_open", str(refusal), refusal)
-            calls += 1
-            if retries == 0:
-                guard.first_call()
-            call_started = self._monotonic()
-            fault: TransientError | PermanentError | None = None
-            with tracer.start_as_current_span(f"call {dep}", kind=SpanKind.CLIENT,
-                                              attributes={"stepstream.call": calls}) as span:
-                try:
-                    output = self.handler(Call(request, min(policy.retry.call_timeout_s, remaining)))
-                except Exception as exc:
-                    fault = classify(exc)
-                    span.set_status(StatusCode.ERROR, f"{fault.kind}: {fault}")
-                except BaseException:
-                    guard.breaker.release()
-                    raise
-                finally:
-                    call_s = self._monotonic() - call_started
-                    CALL_SECONDS.labels(self.name, dep).observe(call_s)
-
-            if fault is None or isinstance(fault, PermanentError) or fault.status is not None:
-                guard.answered_in(call_s)  # the service answered: a timeout or a dropped connection says nothing
+            policy, dep = self._guard()
+            refused = self._refusal(attempt, dep)
+            if refused is not None:
+                return self._give_up(attempt, *refused)
+            began = self._admit(attempt, dep)
+            if began is None:
+                # Paced out: like a throttle, not a failure of the step; the scheduler tries again later.
+                paced = TransientError(f"{self.dependency!r} is at the limit its throttles set "
+                                       f"({dep.pace.snapshot().limit:.1f} calls in flight) until the deadline",
+                                       kind="throttled", retry_after_s=PACED_OUT_WAIT_S)
+                return self._give_up(attempt, "paced", str(paced), paced)
+            if not dep.breaker.try_acquire():
+                dep.pace.finished(began)
+                refusal = CircuitOpenError(self.dependency, dep.breaker.retry_in_s())
+                return self._give_up(attempt, "circuit_open", str(refusal), refusal)
+            fault, output = self._call(attempt, policy, dep, began)
             if fault is None:
-                guard.breaker.record_success()
-                CALLS.labels(self.name, dep, "ok").inc()
-                return answer(True, "ok", output=output)
+                return self._answer(attempt, True, "ok", output=output)
             if isinstance(fault, PermanentError):
-                guard.breaker.record_success()  # the service answered: it is up, the request is wrong
-                CALLS.labels(self.name, dep, "permanent").inc()
-                log.error("permanent failure", cause=fault.kind, call=calls, error=str(fault),
-                          exc_info=fault if fault.kind == "unexpected" else False, **context)
-                return answer(False, "permanent", error=str(fault), permanent=True, kind="permanent")
+                log.error("permanent failure", cause=fault.kind, call=attempt.calls, error=str(fault),
+                          exc_info=fault if fault.kind == "unexpected" else False, **self._context(request))
+                return self._answer(attempt, False, "permanent", error=str(fault), permanent=True, kind="permanent")
+            stop = self._retry_or_stop(attempt, policy, dep, fault)
+            if stop is not None:
+                return self._give_up(attempt, *stop)
+            if self._sleep(attempt.next_delay_s):
+                raise AttemptAbandoned(f"draining during a back-off; last error: {fault}") from fault
 
-            guard.breaker.record_failure()
-            CALLS.labels(self.name, dep, "transient").inc()
-            last = fault
-            last_answered = self._monotonic()
-            log.warning("transient failure", cause=fault.kind, call=calls, error=str(fault),
-                        retry_after_s=fault.retry_after_s, **context)
-            if calls >= request.calls_allowed:
-                return give_up("allowance", f"call allowance of {request.calls_allowed} spent")
-            if retries >= policy.retry.max_retries:
-                return give_up("retry_limit", f"retry limit of {policy.retry.max_retries} reached")
-            delay = policy.retry.delay(retries + 1, self._rng, fault.retry_after_s)
-            if delay + guard.time_needed() >= remaining_s():
-                return give_up("deadline", f"the next call, {delay:.3f}s away, could not finish before the deadline")
-            if guard.breaker.state is BreakerState.OPEN:
-                refusal = CircuitOpenError(dep, guard.breaker.retry_in_s())
-                return give_up("circuit_open", str(refusal), refusal)
-            if not guard.try_retry():
-                refusal = RetryBudgetExhausted(dep)
-                return give_up("retry_budget", str(refusal), refusal)
-            retries += 1
-            RETRIES.labels(self.name, dep, fault.kind).inc()
-            log.info("retrying", cause=fault.kind, retry=retries, delay_s=round(delay, 3), **context)
-            if self._sleep(delay):
-                raise AttemptAbandoned(f"draining during a back-off; last error: {last}") from fault
+    def _refusal(self, attempt: Attempt, dep: Dependency) -> Stop | None:
+        """Why no call may start now: the deadline, the allowance; None when one may."""
+        request = attempt.request
+        remaining = attempt.deadline - self._monotonic()
+        if remaining <= 0:
+            return "deadline", "deadline passed", None
+        needed = dep.time_needed()
+        if remaining < needed:
+            # A call cut off by the deadline may still land at the service: an unknown outcome the
+            # task would have to undo. Not starting it leaves nothing unknown.
+            return ("deadline", f"{remaining:.3f}s left before the deadline, a call needs {needed:.3f}s: not started",
+                    None)
+        if attempt.calls >= request.calls_allowed:
+            return "allowance", f"call allowance of {request.calls_allowed} spent", None
+        return None
+
+    def _admit(self, attempt: Attempt, dep: Dependency) -> float | None:
+        """Wait for the dependency's pace to admit a call: the call's start, or None when the deadline came
+        first. Calls end within milliseconds, so a short poll on the attempt's own sleeper serves."""
+        while True:
+            began = dep.pace.try_start()
+            if began is not None:
+                return began
+            if attempt.deadline - self._monotonic() - PACE_POLL_S < dep.time_needed():
+                return None
+            if self._sleep(PACE_POLL_S):
+                raise AttemptAbandoned("draining while waiting for the dependency's pace")
+
+    def _call(self, attempt: Attempt, policy: DependencyPolicy, dep: Dependency,
+              began: float) -> tuple[Fault | None, dict[str, Any]]:
+        """Make one call; record its outcome with the dependency (breaker, pace, counts)."""
+        attempt.calls += 1
+        if attempt.retries == 0 and attempt.calls == 1:
+            dep.first_call()
+        remaining = attempt.deadline - self._monotonic()
+        fault: Fault | None = None
+        output: dict[str, Any] = {}
+        with tracer.start_as_current_span(f"call {self.dependency}", kind=SpanKind.CLIENT,
+                                          attributes={"stepstream.call": attempt.calls}) as span:
+            try:
+                output = self.handler(Call(attempt.request, min(policy.retry.call_timeout_s, remaining)))
+            except Exception as exc:
+                fault = classify(exc)
+                span.set_status(StatusCode.ERROR, f"{fault.kind}: {fault}")
+            except BaseException:
+                dep.breaker.release()
+                dep.pace.finished(began)
+                raise
+        call_s = self._monotonic() - began
+        CALL_SECONDS.labels(self.name, self.dependency).observe(call_s)
+        if fault is None or isinstance(fault, PermanentError) or fault.status is not None:
+            dep.answered_in(call_s)  # the service answered: a timeout or a dropped connection says nothing
+        dep.record(began, fault)
+        CALLS.labels(self.name, self.dependency, outcome_of(fault)).inc()
+        return fault, output
+
+    def _retry_or_stop(self, attempt: Attempt, policy: DependencyPolicy, dep: Dependency,
+                       fault: TransientError) -> Stop | None:
+        """After a transient fault: the delay before the next call (``attempt.next_delay_s``), or why not.
+
+        A throttle's wait is the service's ``Retry-After`` (stretched upward a little); one longer than the
+        policy's ``pace.wait_in_attempt_s`` ends the attempt, and the scheduler's timer waits it out, so the
+        agent's slot serves other tasks meanwhile. A throttle spends no retry budget: its retry waits as long
+        as the service asks, which is the pacing the budget exists to force on failures.
+        """
+        attempt.last = fault
+        attempt.answered_at = self._monotonic()
+        attempt.next_delay_s = policy.retry.delay(attempt.retries + 1, self._rng, fault.retry_after_s)
+        throttled = fault.kind == "throttled"
+        request = attempt.request
+        if attempt.calls >= request.calls_allowed:
+            return "allowance", f"call allowance of {request.calls_allowed} spent", None
+        if attempt.retries >= policy.retry.max_retries:
+            return "retry_limit", f"retry limit of {policy.retry.max_retries} reached", None
+        delay = attempt.next_delay_s
+        asked = delay if fault.retry_after_s is None else fault.retry_after_s
+        if throttled and asked > policy.pace.wait_in_attempt_s:
+            return "throttled", f"throttled; the wait asked, {asked:.3f}s, is left to the scheduler", None
+        if delay + dep.time_needed() >= attempt.deadline - self._monotonic():
+            return "deadline", f"the next call, {delay:.3f}s away, could not finish before the deadline", None
+        if dep.breaker.state is BreakerState.OPEN:
+            refusal = CircuitOpenError(self.dependency, dep.breaker.retry_in_s())
+            return "circuit_open", str(refusal), refusal
+        if not throttled and not dep.try_retry():
+            spent = RetryBudgetExhausted(self.dependency)
+            return "retry_budget", str(spent), spent
+        attempt.retries += 1
+        RETRIES.labels(self.name, self.dependency, fault.kind).inc()
+        log.debug("retrying", cause=fault.kind, retry=attempt.retries, delay_s=round(delay, 3),
+                  **self._context(request))
+        return None
+
+    def _give_up(self, attempt: Attempt, reason: str, why: str, refused: TransientError | None) -> StepResult:
+        """Stop retrying: a transient failure, so the scheduler may try again within the step's budget.
+
+        What the agent learned goes back with it: the kind of fault (a throttle's, when the last call was
+        throttled, so the scheduler counts no failure; else the refusal's, else the last call's) and the
+        least the next attempt should wait, measured from now: a refusal's (the breaker's remaining open
+        time) or the wait the service asked for less the time since.
+        """
+        GAVE_UP.labels(self.name, self.dependency, reason).inc()
+        last = attempt.last
+        error = f"{why} after {attempt.calls} call(s)" + (f"; last error: {last}" if last is not None else "")
+        throttled = last is not None and last.kind == "throttled"
+        # Throttles are counted per dependency (Tally), not logged per attempt: a storm of them is one line.
+        (log.debug if throttled else log.warning)("attempt failed transiently", reason=reason, calls=attempt.calls,
+                                                  error=error, **self._context(attempt.request))
+        wait: float | None = None
+        if refused is not None and not throttled:
+            wait = refused.retry_after_s
+        elif last is not None and last.retry_after_s is not None:
+            wait = max(0.0, attempt.next_delay_s - (self._monotonic() - attempt.answered_at))
+        # A refusal names the kind, unless a call was made and the refusal would disguise it: a failure
+        # then paced out stays a failure, a throttle then refused stays a throttle.
+        disguised = last is not None and (throttled or refused is None or refused.kind == "throttled")
+        fault = last if disguised else refused
+        kind = _ERROR_KIND[fault.kind] if fault is not None else None
+        return self._answer(attempt, False, "transient", error=error, kind=kind, retry_after_s=wait)
+
+    def _answer(self, attempt: Attempt, ok: bool, outcome: str, *, output: dict[str, Any] | None = None,
+                error: str | None = None, permanent: bool = False, kind: ErrorKind | None = None,
+                retry_after_s: float | None = None) -> StepResult:
+        request = attempt.request
+        STEP_SECONDS.labels(self.name, self.dependency, outcome).observe(self._monotonic() - attempt.started)
+        return StepResult(task_id=request.task_id, step=request.step, attempt_id=request.attempt_id, ok=ok,
+                          output=output, error=error, permanent=permanent, calls=attempt.calls, error_kind=kind,
+                          retry_after_s=retry_after_s)
+
+    def _context(self, request: AgentRequest) -> dict[str, Any]:
+        return {"agent": self.name, "dependency": self.dependency, "task_id": request.task_id, "step": request.step,
+                "attempt": request.attempt}
 
     def handle(self, record: Record, output: EventProducer, inbox: str, inputs: SealedInputs | None = None) -> None:
         """Take one request: acknowledge it (its work deadline starts now), then run it and answer.

@@ -369,6 +369,8 @@ class OrdersAdmin:
         hang: bool = False,
         hang_max_s: float = 300.0,
         fail_next: int = 0,
+        throttle_first: int = 0,
+        throttle_status: int = 429,
     ) -> FaultsView:
         """Replace the fault configuration of ``operation`` (None: the global one, used by every
         operation without its own). Fields left out mean "no such fault"."""
@@ -383,6 +385,8 @@ class OrdersAdmin:
             "hang": hang,
             "hang_max_s": hang_max_s,
             "fail_next": fail_next,
+            "throttle_first": throttle_first,
+            "throttle_status": throttle_status,
         }
         return self._faults_view(self._json(self._http.put("/admin/faults", json=payload)))
 

@@ -136,6 +136,10 @@ class FaultConfig(BaseModel):
     hang: bool = False
     hang_max_s: float = Field(default=300.0, gt=0.0, le=3600.0)
     fail_next: int = Field(default=0, ge=0)
+    #: The first ``throttle_first`` requests of each idempotency key are refused with ``throttle_status`` and
+    #: ``Retry-After: retry_after_s`` (as payment rails pace a new payout), the next ones served.
+    throttle_first: int = Field(default=0, ge=0)
+    throttle_status: Literal[429, 503] = 429
 
 
 class ResetRequest(BaseModel):
@@ -517,8 +521,9 @@ class OrdersService:
     def _slot_for(self, op: Operation) -> FaultSlot | None:
         return self.op_faults.get(op, self.global_fault)
 
-    def decide_faults(self, op: Operation) -> FaultDecision:
-        """Decide, on receipt, what goes wrong with this request. Caller holds the lock."""
+    def decide_faults(self, op: Operation, seen: int = 1) -> FaultDecision:
+        """Decide, on receipt, what goes wrong with this request, the ``seen``-th of its key. Caller holds
+        the lock."""
         slot = self._slot_for(op)
         if slot is None:
             return FaultDecision()
@@ -526,6 +531,11 @@ class OrdersService:
         latency_s = cfg.latency_ms / 1000.0
         if cfg.hang:
             return FaultDecision(hang_max_s=cfg.hang_max_s, latency_s=latency_s)
+        if seen <= cfg.throttle_first:
+            paced = Failure(cfg.throttle_status, {"error": "throttled", "detail": f"request {seen} of this key: "
+                            "come back later", "retry_after_s": cfg.retry_after_s},
+                            {"Retry-After": str(cfg.retry_after_s)})
+            return FaultDecision(latency_s=latency_s, failure=paced)
         if slot.fail_remaining > 0:
             slot.fail_remaining -= 1
             injected = Failure(503, {"error": "unavailable", "detail": "injected failure (fail_next)"})
@@ -647,7 +657,7 @@ class OrdersService:
                 marks[key] = attempt
                 self.state.changes.keyed.add((op, key))
                 self.persist()
-            decision = self.decide_faults(op)
+            decision = self.decide_faults(op, self.state.requests[op][key])
 
         if decision.hang_max_s is not None:
             outcome = await self._hang(request, decision.hang_max_s)

@@ -125,7 +125,8 @@ class StepSucceeded(Event):
 
 
 class StepFailed(Event):
-    """An attempt ended in failure: reported by its agent, or its deadline expired (``timed_out``)."""
+    """An attempt ended in failure: reported by its agent, or its deadline expired (``timed_out``).
+    ``failure_count`` is the step's failures so far: a throttled attempt (the service pacing us) adds none."""
 
     step: str
     attempt_id: str
@@ -133,7 +134,7 @@ class StepFailed(Event):
     permanent: bool
     timed_out: bool = False
     calls: int = Field(ge=0)
-    failure_count: int = Field(ge=1)
+    failure_count: int = Field(ge=0)
 
 
 class MessageIgnored(Event):
@@ -281,7 +282,7 @@ class StepCompensationFailed(Event):
     permanent: bool
     timed_out: bool = False
     calls: int = Field(ge=0)
-    failure_count: int = Field(ge=1)
+    failure_count: int = Field(ge=0)
 
 
 class TaskCompensated(Event):
@@ -413,6 +414,12 @@ class StepResult(Message):
     def deferred(self) -> bool:
         """The agent refused to call (open breaker, spent retry budget) and made no call: nothing failed."""
         return not self.ok and self.calls == 0 and self.error_kind in ("breaker_open", "budget_spent")
+
+    @property
+    def throttled(self) -> bool:
+        """The service asked the agent to slow down (429, or an answer with Retry-After): the attempt's calls
+        count, but it is not a failure of the step -- the service is pacing, not failing."""
+        return not self.ok and not self.permanent and self.error_kind == "throttled"
 
 
 class AttemptAccepted(Message):

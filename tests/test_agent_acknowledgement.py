@@ -12,7 +12,7 @@ from agents.runtime import Agent, Call
 from eventstore.producer import EventProducer
 from eventstore.runtime import Record
 from schemas.messages import AgentRequest, AttemptAccepted, Message, StepResult
-from tests.test_agent_runtime_properties import EPOCH, FakeTime
+from tests.fakes import EPOCH, FakeTime
 
 
 class Sent:
@@ -37,7 +37,7 @@ def queued_request(waited_s: float, timeout_s: float = 5.0, queue_s: float = 300
 
 def take(request: AgentRequest, clock: FakeTime, handler: Any) -> list[tuple[str, Message]]:
     agent = Agent("acks", handler, DependencyPolicy(breaker=BreakerPolicy(enabled=False)), sleep=clock.sleep,
-                  monotonic=clock.monotonic, now=clock.now)
+                  monotonic=clock.monotonic, now=clock.wall)
     sent = Sent()
     agent.handle(Record("agent.acks", 0, 7, "t", request, []), cast(EventProducer, sent), "inbox")
     return sent.messages
@@ -45,12 +45,12 @@ def take(request: AgentRequest, clock: FakeTime, handler: Any) -> list[tuple[str
 
 def test_a_request_taken_after_a_long_wait_is_acknowledged_first_and_its_calls_get_the_whole_timeout() -> None:
     clock = FakeTime()
-    clock.t = 120.0  # it waited two minutes behind other requests: far longer than the step's 5 s timeout
+    clock.now = 120.0  # it waited two minutes behind other requests: far longer than the step's 5 s timeout
     timeouts: list[float] = []
 
     def handler(call: Call) -> dict[str, Any]:
         timeouts.append(call.timeout_s)
-        clock.t += 0.05
+        clock.now += 0.05
         return {"done": True}
 
     messages = take(queued_request(waited_s=120), clock, handler)
@@ -75,7 +75,7 @@ def test_the_work_deadline_runs_from_acceptance_and_never_past_the_requests_late
 
 def test_a_request_taken_after_its_start_by_is_answered_at_once_without_a_call_or_an_acknowledgement() -> None:
     clock = FakeTime()
-    clock.t = 301.0
+    clock.now = 301.0
     calls: list[Call] = []
 
     def handler(call: Call) -> dict[str, Any]:
@@ -106,11 +106,11 @@ def test_a_request_without_a_start_by_is_run_against_its_deadline_without_an_ack
 
 def test_an_undo_with_a_not_before_waits_until_then_before_acknowledging_and_calling() -> None:
     clock = FakeTime()
-    clock.t = 10.0
+    clock.now = 10.0
     called_at: list[float] = []
 
     def handler(call: Call) -> dict[str, Any]:
-        called_at.append(clock.t)
+        called_at.append(clock.now)
         return {"refunded": True}
 
     request = queued_request(waited_s=10, compensation=True).model_copy(

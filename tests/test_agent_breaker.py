@@ -8,17 +8,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from agents.breaker import BreakerPolicy, BreakerState, CircuitBreaker
 from agents.budget import BudgetPolicy, RetryBudget
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
+from tests.fakes import FakeClock
 
 
 def breaker(clock: FakeClock, **config: float | int | bool) -> tuple[CircuitBreaker, list[tuple[str, str]]]:
@@ -43,7 +33,7 @@ def fail(cb: CircuitBreaker, times: int = 1) -> None:
 
 
 def test_breaker_opens_after_the_threshold_of_failures_within_the_window_and_then_fails_fast() -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     cb, moves = breaker(clock, failure_threshold=3, window_s=10, open_for_s=5)
     fail(cb, 2)
     assert state(cb) is BreakerState.CLOSED
@@ -54,7 +44,7 @@ def test_breaker_opens_after_the_threshold_of_failures_within_the_window_and_the
 
 
 def test_failures_older_than_the_window_do_not_count() -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     cb, _ = breaker(clock, failure_threshold=3, window_s=10)
     fail(cb, 2)
     clock.advance(10.5)
@@ -63,7 +53,7 @@ def test_failures_older_than_the_window_do_not_count() -> None:
 
 
 def test_a_low_failure_rate_does_not_open_the_breaker_even_past_the_count() -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     cb, _ = breaker(clock, failure_threshold=3, failure_rate=0.5, window_s=60)
     for _ in range(10):
         assert cb.try_acquire()
@@ -75,7 +65,7 @@ def test_a_low_failure_rate_does_not_open_the_breaker_even_past_the_count() -> N
 
 
 def test_after_the_cool_down_one_probe_passes_and_its_success_closes_the_breaker() -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     cb, moves = breaker(clock, failure_threshold=2, open_for_s=5)
     fail(cb, 2)
     clock.advance(4.9)
@@ -90,7 +80,7 @@ def test_after_the_cool_down_one_probe_passes_and_its_success_closes_the_breaker
 
 
 def test_a_failed_probe_opens_the_breaker_for_another_full_cool_down() -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     cb, moves = breaker(clock, failure_threshold=2, open_for_s=5)
     fail(cb, 2)
     clock.advance(5)
@@ -100,7 +90,7 @@ def test_a_failed_probe_opens_the_breaker_for_another_full_cool_down() -> None:
 
 
 def test_several_probes_must_all_succeed_to_close() -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     cb, _ = breaker(clock, failure_threshold=1, open_for_s=1, probes=2)
     fail(cb)
     clock.advance(1)
@@ -112,7 +102,7 @@ def test_several_probes_must_all_succeed_to_close() -> None:
 
 
 def test_a_probe_released_without_an_outcome_gives_its_slot_back() -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     cb, _ = breaker(clock, failure_threshold=1, open_for_s=1)
     fail(cb)
     clock.advance(1)
@@ -122,7 +112,7 @@ def test_a_probe_released_without_an_outcome_gives_its_slot_back() -> None:
 
 
 def test_a_closed_breaker_starts_its_window_afresh() -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     cb, _ = breaker(clock, failure_threshold=2, window_s=60, open_for_s=1)
     fail(cb, 2)
     clock.advance(1)
@@ -133,7 +123,7 @@ def test_a_closed_breaker_starts_its_window_afresh() -> None:
 
 
 def test_disabling_the_breaker_at_run_time_closes_it_and_lets_every_call_through() -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     cb, _ = breaker(clock, failure_threshold=1)
     fail(cb)
     assert not cb.try_acquire()
@@ -148,7 +138,7 @@ class BreakerMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.clock = FakeClock()
+        self.clock = FakeClock(1000.0)
         self.config = BreakerPolicy(failure_threshold=3, failure_rate=0.5, window_s=5, open_for_s=2, probes=2)
         self.cb = CircuitBreaker(self.config, clock=self.clock)
         self.in_flight = 0
@@ -206,7 +196,7 @@ TestBreakerStateMachine.settings = settings(max_examples=150, stateful_step_coun
 
 
 def test_the_budget_allows_n_retries_per_window_then_refuses_until_they_age_out() -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     budget = RetryBudget(BudgetPolicy(retries_per_window=3, window_s=60), clock=clock)
     assert [budget.try_acquire() for _ in range(5)] == [True, True, True, False, False]
     assert budget.remaining() == 0
@@ -218,7 +208,7 @@ def test_the_budget_allows_n_retries_per_window_then_refuses_until_they_age_out(
 
 
 def test_the_window_slides_rather_than_resetting_all_at_once() -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     budget = RetryBudget(BudgetPolicy(retries_per_window=2, window_s=10), clock=clock)
     assert budget.try_acquire()
     clock.advance(6)
@@ -229,7 +219,7 @@ def test_the_window_slides_rather_than_resetting_all_at_once() -> None:
 
 
 def test_with_a_ratio_the_budget_grows_with_first_calls_in_the_window_and_shrinks_as_they_age_out() -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     budget = RetryBudget(BudgetPolicy(retries_per_window=1, ratio=0.5, window_s=10), clock=clock)
     for _ in range(4):
         budget.record_call()
@@ -240,7 +230,7 @@ def test_with_a_ratio_the_budget_grows_with_first_calls_in_the_window_and_shrink
 
 
 def test_a_new_budget_policy_applies_at_once_and_spent_retries_still_count() -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     budget = RetryBudget(BudgetPolicy(retries_per_window=2, window_s=60), clock=clock)
     assert budget.try_acquire() and budget.try_acquire() and not budget.try_acquire()
     budget.configure(BudgetPolicy(retries_per_window=3, window_s=60))
@@ -251,7 +241,7 @@ def test_a_new_budget_policy_applies_at_once_and_spent_retries_still_count() -> 
 
 @given(st.integers(0, 10), st.lists(st.floats(0.0, 30.0), max_size=60))
 def test_the_budget_never_grants_more_than_n_in_any_window(limit: int, gaps: list[float]) -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     budget = RetryBudget(BudgetPolicy(retries_per_window=limit, ratio=0, window_s=20), clock=clock)
     granted: list[float] = []
     for gap in gaps:

@@ -13,14 +13,7 @@ from structlog.testing import capture_logs
 from agents.policy import DependencyPolicy, FilePolicy, PolicyError, StaticPolicy, parse_policy
 from agents.retry import RetryPolicy
 from agents.settings import AgentSettings
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.fakes import FakeClock
 
 
 def write(path: Path, text: str) -> None:

@@ -68,11 +68,19 @@ def test_no_jitter_means_the_exact_schedule() -> None:
 
 
 def test_retry_after_replaces_the_computed_delay_whether_longer_or_shorter() -> None:
-    policy = RetryPolicy(initial_backoff_s=1.0, max_backoff_s=2.0)
+    policy = RetryPolicy(initial_backoff_s=1.0, max_backoff_s=2.0, retry_after_jitter=0.0)
     rng = random.Random(0)
     assert policy.delay(1, rng, retry_after_s=30.0) == 30.0, "longer than the cap: still honoured"
     assert policy.delay(5, rng, retry_after_s=0.01) == 0.01
     assert policy.delay(1, rng, retry_after_s=-3) == 0.0
+
+
+def test_calls_throttled_together_with_one_retry_after_come_back_spread_over_a_fifth_of_it() -> None:
+    policy = RetryPolicy()
+    rng = random.Random(7)
+    waits = [policy.delay(1, rng, retry_after_s=2.0) for _ in range(32)]
+    assert all(2.0 <= w <= 2.4 for w in waits), "never earlier than asked, at most 20 % later"
+    assert len(set(waits)) == 32 and max(waits) - min(waits) > 0.2, "spread, not one herd"
 
 
 def test_a_cap_below_the_initial_delay_is_refused_naming_both_fields() -> None:
@@ -101,7 +109,8 @@ def test_at_most_one_retry_is_immediate(policy: RetryPolicy, retry: int) -> None
 
 @given(policies, retries, st.floats(0.0, 3600.0), st.integers(0, 2**32))
 def test_retry_after_always_takes_precedence(policy: RetryPolicy, retry: int, after: float, seed: int) -> None:
-    assert policy.delay(retry, random.Random(seed), retry_after_s=after) == after
+    delay = policy.delay(retry, random.Random(seed), retry_after_s=after)
+    assert after <= delay <= after * (1 + policy.retry_after_jitter)
 
 
 @given(st.floats(0.001, 1.0), st.floats(1.0, 60.0), retries, st.integers(0, 2**32))
@@ -120,9 +129,16 @@ def test_exponential_with_equal_jitter_keeps_growing_until_the_cap(initial: floa
 @pytest.mark.parametrize(("status", "kind"), [(429, "throttled"), (408, "timeout"), (500, "server_error"),
                                               (502, "server_error"), (503, "server_error"), (504, "server_error")])
 def test_throttling_timeouts_and_server_errors_are_transient(status: int, kind: str) -> None:
+    fault = classify_status(status)
+    assert isinstance(fault, TransientError)
+    assert fault.kind == kind and fault.retry_after_s is None
+
+
+@pytest.mark.parametrize("status", [429, 408, 500, 503])
+def test_any_transient_answer_carrying_retry_after_is_a_throttle(status: int) -> None:
     fault = classify_status(status, retry_after_s=2.0)
     assert isinstance(fault, TransientError)
-    assert fault.kind == kind and fault.retry_after_s == 2.0
+    assert fault.kind == "throttled" and fault.retry_after_s == 2.0
 
 
 @pytest.mark.parametrize("status", [400, 401, 403, 404, 409, 410, 422])

@@ -4,7 +4,7 @@ and the scheduler's limits, no call is made past the allowance, the retry limit 
 from __future__ import annotations
 
 import random
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 from hypothesis import given, settings
@@ -16,26 +16,7 @@ from agents.policy import DependencyPolicy
 from agents.retry import RetryPolicy
 from agents.runtime import Agent, Call, TransientError
 from schemas.messages import AgentRequest
-
-EPOCH = datetime(2030, 1, 1, tzinfo=UTC)
-
-
-class FakeTime:
-    """Monotonic seconds since EPOCH; sleeping and calls advance it."""
-
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def monotonic(self) -> float:
-        return self.t
-
-    def now(self) -> datetime:
-        return EPOCH + timedelta(seconds=self.t)
-
-    def sleep(self, seconds: float) -> bool:
-        self.t += seconds
-        return False
-
+from tests.fakes import EPOCH, FakeTime
 
 answers = st.tuples(st.floats(0.0, 3.0), st.none() | st.floats(0.0, 5.0))  # (call duration, Retry-After)
 
@@ -61,17 +42,17 @@ def test_an_attempt_stays_within_its_allowance_its_retry_limit_its_budget_and_it
     timeouts: list[float] = []
 
     def handler(call: Call) -> dict[str, Any]:
-        starts.append(clock.t)
+        starts.append(clock.now)
         timeouts.append(call.timeout_s)
         duration, retry_after = script[(len(starts) - 1) % len(script)]
-        clock.t += min(duration, call.timeout_s)
+        clock.now += min(duration, call.timeout_s)
         if duration > call.timeout_s:
             raise TimeoutError("read timed out")
         raise TransientError("503", retry_after_s=retry_after)
 
     policy = DependencyPolicy(retry=retry, breaker=BreakerPolicy(enabled=False),
                               budget=BudgetPolicy(retries_per_window=budget, ratio=0, window_s=3600))
-    agent = Agent("prop", handler, policy, sleep=clock.sleep, monotonic=clock.monotonic, now=clock.now,
+    agent = Agent("prop", handler, policy, sleep=clock.sleep, monotonic=clock.monotonic, now=clock.wall,
                   rng=random.Random(seed))
     request = AgentRequest(task_id="t", step="s", attempt=1, attempt_id="t:s:1", idempotency_key="t:s",
                            complete_by=EPOCH + timedelta(seconds=deadline_s), calls_allowed=calls_allowed, input={})
@@ -101,15 +82,15 @@ def test_no_call_starts_with_less_time_left_than_a_call_needs(
     starts: list[float] = []
 
     def handler(call: Call) -> dict[str, Any]:
-        starts.append(clock.t)
+        starts.append(clock.now)
         duration, retry_after = script[(len(starts) - 1) % len(script)]
-        clock.t += min(duration, call.timeout_s)
+        clock.now += min(duration, call.timeout_s)
         raise TransientError("503", retry_after_s=retry_after)
 
     retry = RetryPolicy(max_retries=50, initial_backoff_s=0.01, max_backoff_s=1.0, min_call_time_s=min_call_s)
     policy = DependencyPolicy(retry=retry, breaker=BreakerPolicy(enabled=False),
                               budget=BudgetPolicy(retries_per_window=100, ratio=0, window_s=3600))
-    agent = Agent("prop", handler, policy, sleep=clock.sleep, monotonic=clock.monotonic, now=clock.now,
+    agent = Agent("prop", handler, policy, sleep=clock.sleep, monotonic=clock.monotonic, now=clock.wall,
                   rng=random.Random(seed))
     request = AgentRequest(task_id="t", step="s", attempt=1, attempt_id="t:s:1", idempotency_key="t:s",
                            complete_by=EPOCH + timedelta(seconds=deadline_s), calls_allowed=50, input={})
@@ -127,16 +108,16 @@ def test_an_attempt_with_less_time_left_than_the_usual_call_answers_at_once_with
     calls: list[float] = []
 
     def handler(call: Call) -> dict[str, Any]:
-        calls.append(clock.t)
-        clock.t += 0.5  # the service answers in half a second
+        calls.append(clock.now)
+        clock.now += 0.5  # the service answers in half a second
         return {"ok": True}
 
     agent = Agent("usual", handler, DependencyPolicy(breaker=BreakerPolicy(enabled=False)), sleep=clock.sleep,
-                  monotonic=clock.monotonic, now=clock.now)
+                  monotonic=clock.monotonic, now=clock.wall)
 
     def request(n: int, left_s: float) -> AgentRequest:
         return AgentRequest(task_id=f"t{n}", step="s", attempt=1, attempt_id=f"t{n}:s:1", idempotency_key=f"t{n}:s",
-                            complete_by=EPOCH + timedelta(seconds=clock.t + left_s), calls_allowed=3, input={})
+                            complete_by=EPOCH + timedelta(seconds=clock.now + left_s), calls_allowed=3, input={})
 
     assert agent.execute(request(1, 5.0)).ok
     late = agent.execute(request(2, 0.3))

@@ -12,16 +12,9 @@ from eventstore.topics import TopicLayout
 from projections.store import SqliteStore
 from stepstream.http.app import create_app
 from stepstream.http.probes import probes_router
+from tests.fakes import FakeClock
 
 LAYOUT = TopicLayout(prefix="probes.", partitions=3)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def probe(client: TestClient, path: str) -> tuple[int, str]:
@@ -47,7 +40,7 @@ def test_an_api_taking_writes_is_ready_once_its_decision_watcher_turns_and_dead_
     tmp_path: Path,
 ) -> None:
     store = SqliteStore(tmp_path / "state.db")
-    clock = Clock()
+    clock = FakeClock()
     watcher = Health(stall_after_s=60, clock=clock)
     client = TestClient(create_app(store, LAYOUT, None,
                                    [probes_router(store, LAYOUT.events, threading.Event(), watcher)]))
@@ -55,7 +48,7 @@ def test_an_api_taking_writes_is_ready_once_its_decision_watcher_turns_and_dead_
         assert probe(client, "/readyz") == (503, "starting")
         watcher.beat()
         assert probe(client, "/readyz") == (200, "main loop turning")
-        clock.t = 61.0
+        clock.now = 61.0
         status, reason = probe(client, "/livez")
         assert status == 503 and "has not turned for 61s" in reason
         assert probe(client, "/readyz")[0] == 503

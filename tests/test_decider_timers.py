@@ -19,6 +19,7 @@ from schemas.messages import (
     Event,
     OperatorCommand,
     RetryBroughtForward,
+    StepCompensationFailed,
     StepFailed,
     StepResult,
     StepRetryScheduled,
@@ -99,6 +100,40 @@ def test_retry_after_longer_than_the_backoff_is_a_floor_for_the_next_attempt() -
     timer = events[-1]
     assert isinstance(timer, StepRetryScheduled)
     assert timer.not_before == NOW + timedelta(seconds=10) and timer.error_kind == "throttled"
+
+
+def test_a_throttled_attempt_charges_its_calls_but_counts_no_failure_of_the_step() -> None:
+    state, events = run(started(), failure(started(), calls=2, kind="throttled", retry_after_s=2))
+    failed, timer = events
+    assert isinstance(failed, StepFailed) and failed.failure_count == 0 and failed.calls == 2
+    assert isinstance(timer, StepRetryScheduled) and timer.not_before == NOW + timedelta(seconds=2)
+    assert timer.reason.startswith("throttled, not failed: the service asked to wait 2.0s")
+    step = state.steps[0]
+    assert (step.status, step.failure_count, step.calls_used) == ("waiting", 0, 2)
+
+
+def test_a_throttled_undo_charges_its_calls_but_counts_no_failure_of_the_compensation() -> None:
+    state = started()
+    for _ in range(3):  # three failures reach the threshold: the task is undone
+        state, events = run(state, failure(state))
+        if isinstance(events[-1], StepRetryScheduled):
+            state, _ = run(state, fire_for(events[-1]), events[-1].not_before)
+    assert state.status == "compensating"
+    state, events = run(state, failure(state, calls=1, kind="throttled", retry_after_s=3))
+    failed, timer_event = events
+    assert isinstance(failed, StepCompensationFailed) and failed.failure_count == 0 and failed.calls == 1
+    assert isinstance(timer_event, StepRetryScheduled) and timer_event.compensation
+    assert timer_event.not_before == NOW + timedelta(seconds=3)
+
+
+def test_a_step_throttled_on_every_attempt_still_ends_when_its_call_budget_is_spent() -> None:
+    state, attempts = started(), 0
+    while state.status == "running" and state.steps[0].status == "processing":
+        attempts += 1
+        state, _ = run(state, failure(state, calls=1, kind="throttled", retry_after_s=0))
+    step = state.steps[0]
+    assert attempts == 4 and (step.calls_used, step.failure_count) == (4, 0), "the budget ends it, not failures"
+    assert state.status != "running", f"escalated: {state.status}"
 
 
 @pytest.mark.parametrize("kind", ["breaker_open", "budget_spent"])

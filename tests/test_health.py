@@ -8,21 +8,14 @@ import httpx
 import pytest
 
 from eventstore.health import Health, serve_health
+from tests.fakes import FakeClock
 
-Probed = tuple[Health, "Clock", httpx.Client]
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+Probed = tuple[Health, "FakeClock", httpx.Client]
 
 
 @pytest.fixture
-def probed() -> Iterator[tuple[Health, Clock, httpx.Client]]:
-    clock = Clock()
+def probed() -> Iterator[tuple[Health, FakeClock, httpx.Client]]:
+    clock = FakeClock(100.0)
     health = Health(stall_after_s=30, clock=clock)
     server = serve_health(0, health=health)
     try:

@@ -3,22 +3,15 @@
 from __future__ import annotations
 
 from stepstream.local.restarts import RestartPolicy, RestartSettings
+from tests.fakes import FakeClock
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def policy(clock: Clock, **settings: float) -> RestartPolicy:
+def policy(clock: FakeClock, **settings: float) -> RestartPolicy:
     return RestartPolicy(RestartSettings(**settings), clock=clock)
 
 
 def test_each_crash_within_the_window_doubles_the_delay_up_to_the_maximum() -> None:
-    clock = Clock()
+    clock = FakeClock(1000.0)
     restarts = policy(clock, max_restarts=10, restart_backoff_s=0.5, restart_max_backoff_s=3)
     delays = []
     for _ in range(5):
@@ -28,7 +21,7 @@ def test_each_crash_within_the_window_doubles_the_delay_up_to_the_maximum() -> N
 
 
 def test_a_service_that_dies_more_than_max_restarts_times_within_the_window_is_given_up() -> None:
-    clock = Clock()
+    clock = FakeClock(1000.0)
     restarts = policy(clock, max_restarts=2, restart_window_s=60)
     assert restarts.on_death("scheduler") is not None
     assert restarts.on_death("scheduler") is not None
@@ -37,7 +30,7 @@ def test_a_service_that_dies_more_than_max_restarts_times_within_the_window_is_g
 
 
 def test_crashes_older_than_the_window_are_forgotten_and_services_are_counted_apart() -> None:
-    clock = Clock()
+    clock = FakeClock(1000.0)
     restarts = policy(clock, max_restarts=1, restart_window_s=60, restart_backoff_s=0.5)
     assert restarts.on_death("projector") == 0.5
     assert restarts.on_death("supervisor") == 0.5, "another service's crash does not count"

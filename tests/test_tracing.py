@@ -32,8 +32,8 @@ from eventstore.tracing import (
 from scheduler.decider import evolve
 from scheduler.traces import record_spans
 from schemas.messages import Message, StepStarted, StepSucceeded, TaskAccepted
+from tests.fakes import EPOCH, FakeTime
 from tests.test_agent_acknowledgement import queued_request
-from tests.test_agent_runtime_properties import EPOCH, FakeTime
 
 _EXPORTER = InMemorySpanExporter()
 install_tracing("tests", SimpleSpanProcessor(_EXPORTER))
@@ -73,7 +73,7 @@ def test_an_agent_continues_the_attempt_span_and_hands_each_call_span_to_the_ser
     clock = FakeTime()
     agent = Agent("payments", http_handler("http://orders", "payments/charge", client),
                   DependencyPolicy(breaker=BreakerPolicy(enabled=False)), sleep=clock.sleep,
-                  monotonic=clock.monotonic, now=clock.now)
+                  monotonic=clock.monotonic, now=clock.wall)
     sent = Sent()
     headers = headers_of(attempt_span("t", "t:s:1"))
     agent.handle(Record("agent.payments", 0, 3, "t", request, headers), cast(EventProducer, sent), "inbox")

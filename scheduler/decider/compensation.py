@@ -14,7 +14,7 @@ from scheduler.decider.attempts import alert_overspend, expiry, in_progress
 from scheduler.decider.decision import Builder
 from scheduler.decider.ids import compensation_attempt_id
 from scheduler.decider.state import StepState
-from scheduler.decider.timers import defer_s, schedule, suggested_s, wait_s
+from scheduler.decider.timers import defer_s, schedule, suggested_s, wait_reason, wait_s
 from scheduler.workflow import Compensation, Workflow
 from schemas.messages import (
     CompensationStarted,
@@ -114,7 +114,8 @@ def on_compensation_result(builder: Builder, workflow: Workflow, result: StepRes
     else:
         error = result.error or "the agent reported a failure without detail"
         builder.emit(StepCompensationFailed, step=current.name, attempt_id=undo.attempt_id, error=error,
-                     permanent=result.permanent, calls=charged, failure_count=undo.failure_count + 1)
+                     permanent=result.permanent, calls=charged,
+                     failure_count=undo.failure_count + (0 if result.throttled else 1))
     alert_overspend(builder, current.name, undo.attempt_id, result.calls, undo.calls_allowed)
     if result.ok:
         _compensate_next(builder, workflow)
@@ -173,7 +174,7 @@ def _retry_compensation_or_fail(builder: Builder, workflow: Workflow, index: int
         start_compensation_attempt(builder, workflow, index)
         return
     schedule(builder, index, undo.attempt + 1, delay,
-             f"back-off after {undo.failure_count} failed undo attempt(s) of step {step.name!r}: {undo.error}",
+             wait_reason(result, undo.failure_count, f"undo attempt(s) of step {step.name!r}", undo.error),
              compensation=True, kind=result.error_kind if result is not None else "timeout")
 
 

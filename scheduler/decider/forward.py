@@ -3,8 +3,10 @@
 ``_escalate`` is the one place that decides what giving up on a step does to its task. A retry that must
 wait (the step's back-off, the agent's suggested delay) is a timer (``scheduler.decider.timers``); an
 attempt the agent refused without calling (open breaker, spent retry budget) is deferred by one, and is
-not a failed attempt. No retry starts past the workflow's total time for a step (``step_total_s``): the
-step escalates instead, a deferral that would end past it included.
+not a failed attempt; nor is a throttled one (the service asked to slow down): its calls are charged, its
+wait is the service's, but it does not count toward the failure threshold. No retry starts past the
+workflow's total time for a step (``step_total_s``): the step escalates instead,
+a deferral that would end past it included.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from scheduler.decider.compensation import begin_compensation
 from scheduler.decider.decision import Builder
 from scheduler.decider.ids import attempt_id
 from scheduler.decider.state import StepState
-from scheduler.decider.timers import defer_s, not_before, past_total, schedule, suggested_s, wait_s
+from scheduler.decider.timers import defer_s, not_before, past_total, schedule, suggested_s, wait_reason, wait_s
 from scheduler.workflow import Workflow
 from schemas.messages import (
     OperatorAlert,
@@ -54,7 +56,8 @@ def on_result(builder: Builder, workflow: Workflow, result: StepResult) -> None:
     else:
         error = result.error or "the agent reported a failure without detail"
         builder.emit(StepFailed, step=current.name, attempt_id=current.attempt_id, error=error,
-                     permanent=result.permanent, calls=charged, failure_count=current.failure_count + 1)
+                     permanent=result.permanent, calls=charged,
+                     failure_count=current.failure_count + (0 if result.throttled else 1))
     alert_overspend(builder, current.name, current.attempt_id, result.calls, current.calls_allowed)
     if result.ok:
         if index + 1 < len(workflow.steps):
@@ -121,7 +124,7 @@ def _retry_or_escalate(builder: Builder, workflow: Workflow, index: int, result:
         start_attempt(builder, workflow, index)
         return
     schedule(builder, index, step.attempt + 1, delay,
-             f"back-off after {step.failure_count} failed attempt(s) of step {step.name!r}: {step.error}",
+             wait_reason(result, step.failure_count, f"attempt(s) of step {step.name!r}", step.error),
              compensation=False, kind=kind)
 
 

@@ -37,6 +37,14 @@ def wait_s(backoff: Backoff, failures: int, seed: str, result: StepResult | None
     return max(backoff.delay_s(failures, seed), suggested_s(result))
 
 
+def wait_reason(result: StepResult | None, failures: int, attempts: str, error: str | None) -> str:
+    """Why the next attempt waits, for operators: the service pacing us (a throttle, no failure), or the
+    back-off after ``failures`` failed ``attempts``."""
+    if result is not None and result.throttled:
+        return f"throttled, not failed: the service asked to wait {suggested_s(result):.1f}s: {error}"
+    return f"back-off after {failures} failed {attempts}: {error}"
+
+
 DEFERRAL_MIN_S = 1.0
 """The least a deferred attempt waits: an agent that just refused to call (its breaker open, its retry
 budget spent) would refuse again at once, and a deferral costs no failure to slow it down."""

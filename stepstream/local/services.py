@@ -79,7 +79,10 @@ def run_agent(name: str) -> int:
         threading.Thread(target=_watch_policy, args=(policy, stop), name="policy-watch", daemon=True).start()
     agent = declared_agent(project, name, policy, stop, connections=settings.concurrency,
                            url_override=settings.service_url)
-    build_agent(kafka, consumer, agent, settings.concurrency).run()
+    try:
+        build_agent(kafka, consumer, agent, settings.concurrency).run()
+    finally:
+        agent.dependencies.flush()  # the calls' trouble since the last aggregated line
     return 0
 
 

@@ -6,6 +6,7 @@ import difflib
 import importlib
 import threading
 
+from agents.dependencies import process_registry
 from agents.http import http_handler, pooled_client
 from agents.policy import PolicyProvider
 from agents.runtime import Agent, AgentHandler
@@ -28,7 +29,9 @@ def agent_url(project: LoadedProject, name: str) -> str | None:
 def declared_agent(project: LoadedProject, name: str, policy: PolicyProvider, stopping: threading.Event, *,
                    connections: int, url_override: str | None = None) -> Agent:
     """The agent ``name`` as ``project`` declares it; ``url_override`` (STEPSTREAM_AGENT_SERVICE_URL, which
-    ``up`` sets to where it started the service) replaces an HTTP agent's base URL."""
+    ``up`` sets to where it started the service) replaces an HTTP agent's base URL. Every agent built here in
+    one process shares the process's dependency registry: agents of one service share its breaker, retry
+    budget and pace."""
     decl = project.agent(name)
     handler: AgentHandler
     if decl.handler is not None:
@@ -38,7 +41,7 @@ def declared_agent(project: LoadedProject, name: str, policy: PolicyProvider, st
         assert base is not None  # an HTTP agent has a service or a url (model validation)
         handler = http_handler(base, decl.path, pooled_client(connections), method=decl.method,
                                headers=decl.headers, max_timeout_s=decl.timeout_s)
-    return Agent(name, handler, policy, stopping, dependency=decl.dependency)
+    return Agent(name, handler, policy, stopping, dependency=decl.dependency, dependencies=process_registry())
 
 
 def imported_handler(name: str, target: str) -> AgentHandler:

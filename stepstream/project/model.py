@@ -120,8 +120,9 @@ class AgentDecl(_Table):
 
     @property
     def dependency(self) -> str | None:
-        """The name the central policy, breaker and retry budget know this agent's callee by: its service
-        (agents of one service share them), else None (the agent's own name)."""
+        """The name the central policy, breaker, retry budget and pace know this agent's callee by: its
+        service, else None (the agent's own name). Agents of one service running in one process share them;
+        each agent process learns on its own (``stepstream up`` runs one process per agent)."""
         return self.service
 
 

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from agents.runtime import Agent, Call, FieldNotGranted, SealedInputs
+from agents.runtime import Agent, Call
+from agents.sealed_inputs import FieldNotGranted, SealedInputs
 from eventstore.keys import DataKeys
 from scheduler.sealing import granted, seal_input
 from scheduler.workflow import Compensation, Step, Workflow

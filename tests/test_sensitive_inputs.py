@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from agents.runtime import SealedInputs
+from agents.sealed_inputs import SealedInputs
 from eventstore.keys import DataKeys
 from scheduler.decider import Limits, TaskState, decide
 from scheduler.sealing import EventSealer, SubmissionSealer, open_input, seal_input

@@ -41,11 +41,13 @@ from agents.faults import (
     classify,
 )
 from agents.policy import AgentPolicy, DependencyPolicy, PolicyProvider, StaticPolicy
+from agents.redaction import Redactor, redacting
 from agents.retry import RetryPolicy
 from agents.sealed_inputs import FieldNotGranted, SealedInputs
 from eventstore.errors import PoisonMessageError
 from eventstore.keyed import KeyedConsumerRuntime
 from eventstore.keys import DataKeys
+from eventstore.logs import masked
 from eventstore.producer import EventProducer, Headers
 from eventstore.runtime import Record
 from eventstore.settings import ConsumerSettings, KafkaSettings
@@ -233,7 +235,7 @@ class Agent:
                     output = self.handler(Call(request, min(policy.retry.call_timeout_s, remaining)))
                 except Exception as exc:
                     fault = classify(exc)
-                    span.set_status(StatusCode.ERROR, f"{fault.kind}: {fault}")
+                    span.set_status(StatusCode.ERROR, masked(f"{fault.kind}: {fault}"))  # no opened value
                 except BaseException:
                     guard.breaker.release()
                     raise
@@ -311,18 +313,31 @@ class Agent:
             output.send(inbox, AttemptAccepted(task_id=request.task_id, step=request.step,
                                                attempt_id=request.attempt_id, compensation=request.compensation,
                                                accepted_at=accepted_at), headers=headers)
-        if inputs is not None:
-            try:
-                request = inputs.open(request)
-            except SealingError as exc:
-                log.error("sealed input does not open", error=str(exc), agent=self.name, task_id=request.task_id,
-                          step=request.step, attempt=request.attempt)
-                output.send(inbox, StepResult(task_id=request.task_id, step=request.step,
-                                              attempt_id=request.attempt_id, ok=False, error=str(exc),
-                                              permanent=True, calls=0), headers=headers)
-                return
-        result = self.execute(request, accepted_at)
-        output.send(inbox, result if inputs is None else inputs.seal_answer(request, result), headers=headers)
+        if inputs is None:
+            output.send(inbox, self.execute(request, accepted_at), headers=headers)
+            return
+        try:
+            request, redactor = inputs.open(request)
+        except SealingError as exc:
+            log.error("sealed input does not open", error=str(exc), agent=self.name, task_id=request.task_id,
+                      step=request.step, attempt=request.attempt)
+            output.send(inbox, StepResult(task_id=request.task_id, step=request.step,
+                                          attempt_id=request.attempt_id, ok=False, error=str(exc),
+                                          permanent=True, calls=0), headers=headers)
+            return
+        with redacting(redactor):
+            result = self._execute_masked(request, accepted_at, redactor)
+        output.send(inbox, inputs.answer(request, result, redactor), headers=headers)
+
+    def _execute_masked(self, request: AgentRequest, accepted_at: datetime, redactor: Redactor) -> StepResult:
+        """:meth:`execute` for a request holding opened values: an attempt abandoned by a drain leaves with its
+        message masked and without its cause (whose text may quote a value), as a span or log records it."""
+        try:
+            return self.execute(request, accepted_at)
+        except AttemptAbandoned as exc:
+            if not redactor:
+                raise
+            raise AttemptAbandoned(redactor.text(str(exc))) from None
 
     def _wait_until(self, request: AgentRequest) -> None:
         """Hold an undo until its ``not_before``: the forward call it undoes may land until then at a service

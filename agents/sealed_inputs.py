@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from agents.faults import PermanentError
+from agents.redaction import Redactor
 from eventstore.keys import DataKeys
 from schemas.messages import AgentRequest, StepResult
 from schemas.sealed import Keyring, SealingError, TaskKey, open_step_input, seal_fields
@@ -72,10 +73,17 @@ class SealedInputs:
         self.keys = keys
         self.keyring = keyring
 
-    def open(self, request: AgentRequest) -> AgentRequest:
-        """``request`` with its input open; SealingError if a sealed value does not open."""
-        opened = open_step_input(request.input, request.task_id, lambda: self._key(request.task_id))
-        return request.model_copy(update={"input": granted_fields(request, opened) if request.withheld else opened})
+    def open(self, request: AgentRequest) -> tuple[AgentRequest, Redactor]:
+        """``request`` with its input open, and the redactor of the values opened; SealingError if a sealed
+        value does not open."""
+        opened, values = open_step_input(request.input, request.task_id, lambda: self._key(request.task_id))
+        data = granted_fields(request, opened) if request.withheld else opened
+        return request.model_copy(update={"input": data}), Redactor(values)
+
+    def answer(self, request: AgentRequest, result: StepResult, redactor: Redactor) -> StepResult:
+        """The answer as it leaves the agent: the marked output fields sealed, then every value the step
+        opened masked in the rest (an error body or an unmarked field that says it back)."""
+        return redactor.result(self.seal_answer(request, result))
 
     def seal_answer(self, request: AgentRequest, result: StepResult) -> StepResult:
         """``result`` with the output fields the request names sealed, so ``inbox`` never holds them in clear.

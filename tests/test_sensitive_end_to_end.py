@@ -312,3 +312,39 @@ def test_a_scheduler_without_a_key_for_a_workflow_marking_inputs_refuses_to_star
     log = system.procs.log("scheduler")
     assert "workflows orders-card v1, orders-card-brief v1 mark sensitive data but no encryption key" in log
     assert K1.split(":")[1] not in log
+
+
+def test_a_card_token_the_service_says_back_in_its_refusal_and_its_answer_is_nowhere_in_clear(
+    card_system: System,
+) -> None:
+    """The order service names a blocked card in its 422 and echoes a charged card in its answer: the agent
+    that opened the token masks it in its answer and its log, so topics, store, logs, API and CLI never hold
+    it, while the service's own records show the one refused and the other charged."""
+    system = card_system
+    start(system)
+    http = system.start_api()
+    tokens = {"refused": "tok_blocked_5500_0000_0004", "echoed": "tok_echoed_4242_4242_4242"}
+    with client(system) as python:
+        for task, token in tokens.items():
+            python.submit("orders-card", {**order(task), "card_token": token}, task_id=task)
+    assert system.wait_terminal(tokens, timeout_s=90) == {"refused": "compensated", "echoed": "completed"}
+    assert system.admin.records("refused")["charges"] == {}, "the service refused the blocked card"
+    assert charged_token(system, "echoed") == tokens["echoed"], "and charged the other, opened for it"
+
+    shown = {task: http.get(f"/api/tasks/{task}").text for task in tokens}
+    assert "card [sealed] is blocked" in shown["refused"], "why it failed is still told, the token masked"
+    cli = [system.cli("status", task, *json) for task in tokens for json in ((), ("--json",))]
+    assert all(run.returncode in (0, 4) for run in cli), [run.stderr for run in cli]
+    assert "[sealed]" in "".join(run.stdout for run in cli)
+    store = b"".join(path.read_bytes() for path in system.store_path.parent.glob(f"{system.store_path.name}*"))
+    raw = list(every_topic(system))
+    assert {system.layout.inbox, system.layout.events, system.layout.agent("payments")} <= {t for t, _ in raw}
+    logs = service_logs(system)
+    assert "card [sealed] is blocked" in logs, "the payments agent logged the refusal, masked"
+    for token in tokens.values():
+        assert not [topic for topic, data in raw if token.encode() in data], f"{token} in clear on a topic"
+        assert token.encode() not in store, "nor in the state store's file"
+        assert token not in logs, "nor in a service's log"
+        assert not [task for task, body in shown.items() if token in body], "nor in the API"
+        assert not [run.args for run in cli if token in run.stdout + run.stderr], "nor in the CLI"
+    http.close()

@@ -195,7 +195,7 @@ def test_an_erased_task_opens_nowhere_shows_erased_after_a_rebuild_and_cannot_be
     with client(system) as python:
         for task in ("forget-me", "keep-me", "forget-me-too"):
             python.submit("orders-card", order(task), task_id=task)
-        assert {python.wait(task)["status"] for task in ("forget-me", "keep-me", "forget-me-too")} == {"completed"}
+        assert {python.wait(task).status for task in ("forget-me", "keep-me", "forget-me-too")} == {"completed"}
     copies = key_copies(system, {"forget-me"})
 
     erase = system.cli("task", "erase", "forget-me", "--wait")
@@ -242,7 +242,7 @@ def test_an_erased_task_opens_nowhere_shows_erased_after_a_rebuild_and_cannot_be
     system.restart("projector")
     with client(system) as python:
         python.submit("orders-card", order("after-erase"), task_id="after-erase")
-        assert python.wait("after-erase", timeout_s=60)["status"] == "completed"
+        assert python.wait("after-erase", timeout_s=60).status == "completed"
     charge = next(e for e in system.events("forget-me") if isinstance(e, StepSucceeded) and e.step == "charge")
     assert is_sealed(charge.output["charge_id"])
 
@@ -253,7 +253,7 @@ def test_a_finished_tasks_card_data_is_erased_when_its_workflows_retention_runs_
     with client(system) as python:
         python.submit("orders-card-brief", order("brief"), task_id="brief")
         python.submit("orders-card", order("kept"), task_id="kept")
-        assert python.wait("brief")["status"] == python.wait("kept")["status"] == "completed"
+        assert python.wait("brief").status == python.wait("kept").status == "completed"
     shown = system.task("brief") or {}
     assert shown["erase_due_at"] is not None and shown["retention_ms"] == 2000, "when it will be erased is visible"
     assert (system.task("kept") or {})["erase_due_at"] is None, "a workflow without retention keeps it"
@@ -271,7 +271,7 @@ def test_a_new_master_key_seals_new_tasks_old_ones_still_open_and_their_keys_are
     start(system)
     with client(system) as python:
         python.submit("orders-card", order("before-rotation"), task_id="before-rotation")
-        assert python.wait("before-rotation")["status"] == "completed"
+        assert python.wait("before-rotation").status == "completed"
     still = system.cli("keys", "report", "--retiring", "k1", "--json")
     assert still.returncode == 3, "k1 wraps a task's key: not to be deleted yet"
     assert orjson.loads(still.stdout)["data_keys"] == {"k1": 1}
@@ -282,7 +282,7 @@ def test_a_new_master_key_seals_new_tasks_old_ones_still_open_and_their_keys_are
         system.restart(name)
     with client(system, f"{K2},{K1}") as python:
         python.submit("orders-card", order("after-rotation"), task_id="after-rotation")
-        assert python.wait("after-rotation", timeout_s=60)["status"] == "completed"
+        assert python.wait("after-rotation", timeout_s=60).status == "completed"
         python.submit("orders-card", order("before-rotation"), task_id="before-rotation")  # a repeat: no-op
 
     assert str(read_keys(system.bootstrap, system.layout.keys, {})["after-rotation"]).startswith("k2:")

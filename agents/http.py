@@ -13,8 +13,8 @@ from typing import Any
 
 import httpx
 
+from agents.call import AgentHandler, Call
 from agents.faults import TransientError, classify_response
-from agents.runtime import AgentHandler, Call
 from eventstore.tracing import current_headers
 
 

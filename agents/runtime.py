@@ -22,7 +22,6 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -31,6 +30,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 from prometheus_client import Counter, Histogram
 
 from agents.breaker import BreakerState
+from agents.call import AgentHandler, Call
 from agents.dependencies import Dependency, DependencyRegistry
 from agents.faults import (
     CircuitOpenError,
@@ -96,26 +96,6 @@ STEP_SECONDS = Histogram("stepstream_agent_step_seconds", "Time to answer one at
                          ["agent", "dependency", "outcome"], buckets=_SECONDS)
 
 
-@dataclass(frozen=True)
-class Call:
-    """What a handler needs for one call: the data, the idempotency key, the fencing token, the time left."""
-
-    request: AgentRequest
-    timeout_s: float
-
-    @property
-    def idempotency_key(self) -> str:
-        return self.request.idempotency_key
-
-    @property
-    def attempt(self) -> int:
-        return self.request.attempt
-
-
-#: Makes one call. Returns the step's output, or raises: :class:`TransientError` / :class:`PermanentError`
-#: explicitly (a ``retry_after_s`` on a TransientError is the handler's suggested delay), or anything else,
-#: which :func:`agents.faults.classify` maps by type.
-AgentHandler = Callable[[Call], dict[str, Any]]
 #: Waits ``seconds``; returns True if woken because the agent is stopping (``threading.Event.wait``).
 Sleeper = Callable[[float], bool]
 

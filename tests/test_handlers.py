@@ -1,0 +1,76 @@
+"""The handler contract as handler authors use it (agents.handler): the documented example is the example
+file, the page's test block runs as it stands, and the harness treats a handler as the runtime does."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agents.handler import Call, FieldNotGranted, HandlerEnvironment, PermanentError, TransientError
+from agents.policy import BreakerPolicy, DependencyPolicy
+from examples.contracts import sign_contract
+
+ROOT = Path(__file__).parent.parent
+PAGE = ROOT / "docs" / "handlers.md"
+
+
+def python_blocks() -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", PAGE.read_text(), re.MULTILINE | re.DOTALL)
+
+
+@pytest.fixture
+def contracts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("CONTRACTS_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_the_page_shows_the_example_file_as_it_is() -> None:
+    assert python_blocks()[0] == (ROOT / "examples" / "contracts.py").read_text()
+
+
+def test_the_pages_testing_block_runs_as_it_stands(contracts: Path) -> None:
+    exec(compile(python_blocks()[1], str(PAGE), "exec"), {})
+    assert (contracts / "loan-7:contract.withdrawn").exists() and not (contracts / "loan-7:contract.json").exists()
+
+
+def test_a_busy_pad_is_a_throttle_with_its_wait_and_an_attempt_spends_its_calls_on_it(contracts: Path) -> None:
+    (contracts / ".busy").touch()
+    env = HandlerEnvironment(task_id="loan-8", step="contract", calls_allowed=2)
+    loan, held = {"loan_id": "L-8", "amount": 10}, {"hold-credit": {"credit_line": "CL-2"}}
+    with pytest.raises(TransientError, match="signing pad busy") as busy:
+        env.run(sign_contract, loan, steps=held)
+    assert busy.value.kind == "throttled" and busy.value.retry_after_s == 1.0
+    answer = env.run_attempt(sign_contract, loan, steps=held,
+                         policy=DependencyPolicy(breaker=BreakerPolicy(enabled=False)))
+    assert not answer.ok and not answer.permanent and answer.calls == 2 and answer.error_kind == "throttled"
+    assert answer.retry_after_s is not None and answer.retry_after_s > 0.9, "the handler's wait goes back with it"
+
+
+def test_a_call_offers_the_task_input_earlier_outputs_keys_and_deadline_as_the_scheduler_sent_them() -> None:
+    env = HandlerEnvironment(task_id="t-1", step="sign", attempt=3, timeout_s=4.0)
+    call = env.call({"loan_id": "L"}, steps={"hold": {"line": "CL"}})
+    assert (call.task_id, call.step, call.attempt, call.timeout_s) == ("t-1", "sign", 3, 4.0)
+    assert call.task_input == {"loan_id": "L"} and call.step_outputs == {"hold": {"line": "CL"}}
+    assert call.idempotency_key == "t-1:sign" and call.undoes_key is None and not call.is_compensation
+    assert call.deadline == call.request.complete_by
+    with pytest.raises(KeyError, match=r"no output of step 'pay' in this call \(outputs of: hold\)"):
+        call.output_of("pay")
+    undo = env.call(undoes=True)
+    assert undo.is_compensation and undo.undoes_key == "t-1:sign" and undo.undoes_attempt == 3
+    assert undo.idempotency_key != undo.undoes_key, "an undo is a call of its own, under a key of its own"
+
+
+def test_what_a_handler_raises_comes_out_as_the_runtime_takes_it() -> None:
+    def bad_data(call: Call) -> dict[str, Any]:
+        return {"n": int(call.task_input["n"])}
+
+    with pytest.raises(PermanentError, match="invalid data: ValueError") as refused:
+        HandlerEnvironment().run(bad_data, {"n": "seven"})
+    assert refused.value.kind == "validation" and isinstance(refused.value.__cause__, ValueError)
+    with pytest.raises(TransientError) as dropped:
+        HandlerEnvironment().run(lambda call: (_ for _ in ()).throw(ConnectionResetError("peer")), {})
+    assert dropped.value.kind == "connection"
+    assert issubclass(FieldNotGranted, PermanentError), "asking for a value not granted fails for good"

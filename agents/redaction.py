@@ -28,7 +28,7 @@ from urllib.parse import quote, quote_plus
 
 import orjson
 
-from eventstore.logs import masking
+from eventstore.masking import masking
 from schemas.messages import StepResult
 from schemas.sealed import is_sealed
 

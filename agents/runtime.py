@@ -47,7 +47,7 @@ from agents.sealed_inputs import FieldNotGranted, SealedInputs
 from eventstore.errors import PoisonMessageError
 from eventstore.keyed import KeyedConsumerRuntime
 from eventstore.keys import DataKeys
-from eventstore.logs import masked
+from eventstore.masking import masked
 from eventstore.producer import EventProducer, Headers
 from eventstore.runtime import Record
 from eventstore.settings import ConsumerSettings, KafkaSettings

@@ -331,6 +331,9 @@ def test_a_card_token_the_service_says_back_in_its_refusal_and_its_answer_is_now
     assert system.admin.records("refused")["charges"] == {}, "the service refused the blocked card"
     assert charged_token(system, "echoed") == tokens["echoed"], "and charged the other, opened for it"
 
+    charged = next(e for e in system.events("echoed") if isinstance(e, StepSucceeded) and e.step == "charge")
+    assert charged.output["card_token"] == "[sealed]" and is_sealed(charged.output["charge_id"]), \
+        "the echo, an unmarked field, is masked; the marked field is sealed"
     shown = {task: http.get(f"/api/tasks/{task}").text for task in tokens}
     assert "card [sealed] is blocked" in shown["refused"], "why it failed is still told, the token masked"
     cli = [system.cli("status", task, *json) for task in tokens for json in ((), ("--json",))]

@@ -3,6 +3,7 @@ file, the page's test block runs as it stands, and the harness treats a handler 
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,9 @@ import pytest
 from agents.handler import Call, FieldNotGranted, HandlerEnvironment, PermanentError, TransientError
 from agents.policy import BreakerPolicy, DependencyPolicy
 from examples.contracts import sign_contract
+from scheduler.decider.ids import compensation_idempotency_key, idempotency_key
+from tests.loans import PROJECT
+from tests.system import System
 
 ROOT = Path(__file__).parent.parent
 PAGE = ROOT / "docs" / "handlers.md"
@@ -54,13 +58,14 @@ def test_a_call_offers_the_task_input_earlier_outputs_keys_and_deadline_as_the_s
     call = env.call({"loan_id": "L"}, steps={"hold": {"line": "CL"}})
     assert (call.task_id, call.step, call.attempt, call.timeout_s) == ("t-1", "sign", 3, 4.0)
     assert call.task_input == {"loan_id": "L"} and call.step_outputs == {"hold": {"line": "CL"}}
-    assert call.idempotency_key == "t-1:sign" and call.undoes_key is None and not call.is_compensation
+    assert call.idempotency_key == idempotency_key("t-1", "sign"), "the key the scheduler gives the step"
+    assert call.undoes_key is None and not call.is_compensation
     assert call.deadline == call.request.complete_by
     with pytest.raises(KeyError, match=r"no output of step 'pay' in this call \(outputs of: hold\)"):
         call.output_of("pay")
     undo = env.call(undoes=True)
     assert undo.is_compensation and undo.undoes_key == "t-1:sign" and undo.undoes_attempt == 3
-    assert undo.idempotency_key != undo.undoes_key, "an undo is a call of its own, under a key of its own"
+    assert undo.idempotency_key == compensation_idempotency_key("t-1", "sign"), "an undo's key of its own"
 
 
 def test_what_a_handler_raises_comes_out_as_the_runtime_takes_it() -> None:
@@ -74,3 +79,34 @@ def test_what_a_handler_raises_comes_out_as_the_runtime_takes_it() -> None:
         HandlerEnvironment().run(lambda call: (_ for _ in ()).throw(ConnectionResetError("peer")), {})
     assert dropped.value.kind == "connection"
     assert issubclass(FieldNotGranted, PermanentError), "asking for a value not granted fails for good"
+
+
+@pytest.mark.kafka
+def test_handler_agents_of_a_project_sign_a_loans_contract_once_and_withdraw_it_when_the_payout_is_refused(
+    system: System, tmp_path: Path,
+) -> None:
+    project, contracts = tmp_path / "loans", tmp_path / "contracts"
+    project.mkdir()
+    (project / "stepstream.toml").write_text(PROJECT)
+    system.env.update({"STEPSTREAM_SCHEDULER_WORKFLOWS": "tests.loans:REGISTRY", "STEPSTREAM_PROJECT": str(project),
+                       "CONTRACTS_DIR": str(contracts)})
+    agents = ("credit", "contract-sign", "contract-withdraw", "payout")
+    for name in agents:
+        system.procs.service(name, "agent", name)
+    system.start("projector", "scheduler")
+    for name in agents:
+        system.procs.wait_started(name)
+    system.submit("loan-1", {"loan_id": "L-1", "amount": 500}, workflow="loan")
+    system.submit("loan-2", {"loan_id": "L-2", "amount": 50_000}, workflow="loan")
+    assert system.wait_terminal(["loan-1", "loan-2"], timeout_s=90) == {"loan-1": "completed",
+                                                                        "loan-2": "compensated"}
+
+    # The world, the contracts folder: the first loan's contract signed once, the second's withdrawn for good.
+    assert json.loads((contracts / "loan-1:contract.json").read_text()) == {
+        "contract_id": "c-loan-1", "loan_id": "L-1", "amount": 500, "credit_line": "CL-L-1", "attempt": 1}
+    assert not (contracts / "loan-2:contract.json").exists() and (contracts / "loan-2:contract.withdrawn").exists()
+    assert not (contracts / "loan-1:contract.withdrawn").exists()
+    steps = {step["step"]: step for step in system.steps("loan-2")}
+    assert steps["contract"]["status"] == "compensated", "undone by the withdrawal handler"
+    assert steps["payout"]["status"] == "compensation_skipped", "refused for good: nothing applied, nothing to undo"
+    assert "payout of 50000 is over the limit of 10000" in steps["payout"]["error"]

@@ -22,7 +22,7 @@ call as the runtime makes it (:meth:`HandlerEnvironment.run`), or a whole attemp
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -31,7 +31,7 @@ from agents.call import AgentHandler, Call
 from agents.faults import PermanentError, PermanentKind, TransientError, TransientKind, classify
 from agents.policy import AgentPolicy, DependencyPolicy, PolicyProvider
 from agents.runtime import Agent
-from agents.sealed_inputs import FieldNotGranted
+from agents.sealed_inputs import FieldNotGranted, granted_fields
 from schemas.messages import AgentRequest, StepResult
 
 __all__ = [
@@ -66,25 +66,32 @@ class HandlerEnvironment:
     now: Callable[[], datetime] = field(default=lambda: datetime.now(UTC), repr=False)
 
     def call(self, task: Mapping[str, Any] | None = None, *, steps: Mapping[str, Mapping[str, Any]] | None = None,
-             undoes: bool = False) -> Call:
+             undoes: bool = False, withheld: Sequence[str] = ()) -> Call:
         """The call a handler gets for a task whose input is ``task``, after steps with outputs ``steps``;
-        ``undoes``: the call of the step's compensation (it names the forward key and attempt it undoes)."""
+        ``undoes``: the call of the step's compensation (it names the forward key and attempt it undoes);
+        ``withheld``: the sensitive values the step is not granted (``name``, or ``step.name`` for an earlier
+        output), left out as the scheduler leaves them out: asking for one raises FieldNotGranted."""
         request = AgentRequest(
             task_id=self.task_id, step=self.step, attempt=self.attempt,
             attempt_id=f"{self.task_id}:{self.step}:{'undo:' if undoes else ''}{self.attempt}",
             idempotency_key=f"{self.task_id}:{self.step}{':undo' if undoes else ''}",
             complete_by=self.now() + timedelta(seconds=self.timeout_s), calls_allowed=self.calls_allowed,
-            input={"task": dict(task or {}), "steps": {name: dict(output) for name, output in (steps or {}).items()}},
+            input={"task": {name: value for name, value in (task or {}).items() if name not in withheld},
+                   "steps": {step: {name: value for name, value in output.items() if f"{step}.{name}" not in withheld}
+                             for step, output in (steps or {}).items()}},
             compensation=undoes, undoes_key=f"{self.task_id}:{self.step}" if undoes else None,
-            undoes_attempt=self.attempt if undoes else None)
+            undoes_attempt=self.attempt if undoes else None, withheld=list(withheld))
+        if withheld:
+            request = request.model_copy(update={"input": granted_fields(request, request.input)})
         return Call(request, self.timeout_s)
 
     def run(self, handler: Handler, task: Mapping[str, Any] | None = None, *,
-            steps: Mapping[str, Mapping[str, Any]] | None = None, undoes: bool = False) -> dict[str, Any]:
+            steps: Mapping[str, Mapping[str, Any]] | None = None, undoes: bool = False,
+            withheld: Sequence[str] = ()) -> dict[str, Any]:
         """One call of ``handler``: its output, or the fault the runtime sees in what it raised (a
         :class:`TransientError` or :class:`PermanentError`, whatever the handler raised, its cause kept)."""
         try:
-            return handler(self.call(task, steps=steps, undoes=undoes))
+            return handler(self.call(task, steps=steps, undoes=undoes, withheld=withheld))
         except Exception as exc:
             fault = classify(exc)
             if fault is exc:
@@ -93,8 +100,9 @@ class HandlerEnvironment:
 
     def run_attempt(self, handler: Handler, task: Mapping[str, Any] | None = None, *,
                 steps: Mapping[str, Mapping[str, Any]] | None = None, undoes: bool = False,
+                withheld: Sequence[str] = (),
                 policy: PolicyProvider | AgentPolicy | DependencyPolicy | None = None) -> StepResult:
         """A whole attempt as the agent runs it: transient faults retried under ``policy`` (default: the agents'
         default) within ``calls_allowed`` calls, back-off not waited; the answer the scheduler would get."""
         agent = Agent(self.step, handler, policy, sleep=lambda _: False, now=self.now)
-        return agent.execute(self.call(task, steps=steps, undoes=undoes).request)
+        return agent.execute(self.call(task, steps=steps, undoes=undoes, withheld=withheld).request)

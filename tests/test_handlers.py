@@ -81,6 +81,21 @@ def test_what_a_handler_raises_comes_out_as_the_runtime_takes_it() -> None:
     assert issubclass(FieldNotGranted, PermanentError), "asking for a value not granted fails for good"
 
 
+def test_a_handler_asking_for_a_value_its_step_is_not_granted_fails_for_good_naming_it() -> None:
+    def nosy(call: Call) -> dict[str, Any]:
+        return {"card": call.task_input["card_token"], "ref": call.output_of("charge").get("charge_id")}
+
+    env = HandlerEnvironment(step="ship")
+    task, steps = {"order_id": "o-1", "card_token": "tok_1"}, {"charge": {"charge_id": "ch_1", "status": "ok"}}
+    assert env.run(nosy, task, steps=steps) == {"card": "tok_1", "ref": "ch_1"}, "granted: given"
+    with pytest.raises(FieldNotGranted, match="step ship is not granted card_token"):
+        env.run(nosy, task, steps=steps, withheld=["card_token"])
+    with pytest.raises(FieldNotGranted, match=r"step ship is not granted charge\.charge_id"):
+        env.run(nosy, task, steps=steps, withheld=["charge.charge_id"])
+    answer = env.run_attempt(nosy, task, steps=steps, withheld=["card_token"])
+    assert answer.permanent and answer.calls == 1 and "not granted card_token" in (answer.error or "")
+
+
 @pytest.mark.kafka
 def test_handler_agents_of_a_project_sign_a_loans_contract_once_and_withdraw_it_when_the_payout_is_refused(
     system: System, tmp_path: Path,

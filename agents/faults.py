@@ -26,6 +26,8 @@ from typing import Literal
 import httpx
 import pydantic
 
+from eventstore.masking import masked
+
 #: Why a call failed transiently. ``circuit_open`` and ``retry_budget`` are the agent refusing to call.
 TransientKind = Literal["throttled", "timeout", "connection", "server_error", "circuit_open", "retry_budget"]
 #: Why a call failed for good.
@@ -127,10 +129,13 @@ def classify_status(status: int, *, retry_after_s: float | None = None, detail: 
 
 
 def classify_response(response: httpx.Response, *, what: str = "") -> Fault | None:
-    """:func:`classify_status` for an httpx response, reading its ``Retry-After`` and a bit of its body."""
+    """:func:`classify_status` for an httpx response, reading its ``Retry-After`` and a bit of its body.
+
+    The body is masked before it is cut (:mod:`eventstore.masking`): a value the step opened that straddles
+    the cut would otherwise leave a piece of itself that no longer matches the value."""
     prefix = f"{what}: " if what else ""
     fault = classify_status(response.status_code, retry_after_s=parse_retry_after(response.headers.get("Retry-After")),
-                            detail=response.text[:300])
+                            detail=masked(response.text)[:300])
     if fault is not None:
         fault.args = (prefix + str(fault),)
     return fault
@@ -147,7 +152,9 @@ def classify(exc: BaseException) -> Fault:
         fault = TransientError(f"timed out: {type(exc).__name__}: {exc}", kind="timeout")
     elif isinstance(exc, httpx.TransportError | ConnectionError):
         fault = TransientError(f"{type(exc).__name__}: {exc}", kind="connection")
-    elif isinstance(exc, pydantic.ValidationError | ValueError | TypeError | KeyError):
+    elif isinstance(exc, pydantic.ValidationError):
+        fault = PermanentError(f"invalid data: ValidationError: {_without_inputs(exc)}", kind="validation")
+    elif isinstance(exc, ValueError | TypeError | KeyError):
         fault = PermanentError(f"invalid data: {type(exc).__name__}: {exc}", kind="validation")
     elif isinstance(exc, OSError):
         fault = TransientError(f"{type(exc).__name__}: {exc}", kind="connection")
@@ -155,3 +162,10 @@ def classify(exc: BaseException) -> Fault:
         fault = PermanentError(f"unexpected {type(exc).__name__}: {exc}", kind="unexpected")
     fault.__cause__ = exc
     return fault
+
+
+def _without_inputs(exc: pydantic.ValidationError) -> str:
+    """What was wrong, field by field, without the values: pydantic's own text quotes each input, cut in the
+    middle when long, so a sealed value would leave its ends there where no mask recognises it."""
+    return "; ".join(f"{'.'.join(map(str, error['loc'])) or exc.title}: {error['msg']}"
+                     for error in exc.errors(include_url=False, include_input=False))

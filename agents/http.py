@@ -18,8 +18,8 @@ from typing import Any
 import httpx
 from prometheus_client import Counter
 
+from agents.call import AgentHandler, Call
 from agents.faults import TransientError, classify_response
-from agents.runtime import AgentHandler, Call
 from eventstore.tracing import current_headers
 
 KEEPALIVE_RESENDS = Counter("stepstream_agent_keepalive_resends_total",

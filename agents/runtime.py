@@ -34,6 +34,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 from prometheus_client import Counter, Histogram
 
 from agents.breaker import BreakerState
+from agents.call import AgentHandler, Call
 from agents.dependencies import Dependency, DependencyRegistry, outcome_of
 from agents.faults import (
     CircuitOpenError,
@@ -45,10 +46,13 @@ from agents.faults import (
     classify,
 )
 from agents.policy import AgentPolicy, DependencyPolicy, PolicyProvider, StaticPolicy
+from agents.redaction import Redactor, redacting
 from agents.retry import RetryPolicy
+from agents.sealed_inputs import FieldNotGranted, SealedInputs
 from eventstore.errors import PoisonMessageError
 from eventstore.keyed import KeyedConsumerRuntime
 from eventstore.keys import DataKeys
+from eventstore.masking import masked
 from eventstore.producer import EventProducer, Headers
 from eventstore.runtime import Record
 from eventstore.settings import ConsumerSettings, KafkaSettings
@@ -56,7 +60,7 @@ from eventstore.topics import TopicLayout
 from eventstore.tracing import headers_of, span_for, tracer
 from schemas.avro import utc_millis
 from schemas.messages import AgentRequest, AttemptAccepted, ErrorKind, StepResult
-from schemas.sealed import EncryptionSettings, Keyring, SealingError, TaskKey, open_step_input, seal_fields
+from schemas.sealed import EncryptionSettings, Keyring, SealingError
 
 __all__ = [
     "Agent",
@@ -98,26 +102,6 @@ STEP_SECONDS = Histogram("stepstream_agent_step_seconds", "Time to answer one at
                          ["agent", "dependency", "outcome"], buckets=_SECONDS)
 
 
-@dataclass(frozen=True)
-class Call:
-    """What a handler needs for one call: the data, the idempotency key, the fencing token, the time left."""
-
-    request: AgentRequest
-    timeout_s: float
-
-    @property
-    def idempotency_key(self) -> str:
-        return self.request.idempotency_key
-
-    @property
-    def attempt(self) -> int:
-        return self.request.attempt
-
-
-#: Makes one call. Returns the step's output, or raises: :class:`TransientError` / :class:`PermanentError`
-#: explicitly (a ``retry_after_s`` on a TransientError is the handler's suggested delay), or anything else,
-#: which :func:`agents.faults.classify` maps by type.
-AgentHandler = Callable[[Call], dict[str, Any]]
 #: Waits ``seconds``; returns True if woken because the agent is stopping (``threading.Event.wait``).
 Sleeper = Callable[[float], bool]
 
@@ -271,7 +255,7 @@ class Agent:
                 output = self.handler(Call(attempt.request, min(policy.retry.call_timeout_s, remaining)))
             except Exception as exc:
                 fault = classify(exc)
-                span.set_status(StatusCode.ERROR, f"{fault.kind}: {fault}")
+                span.set_status(StatusCode.ERROR, masked(f"{fault.kind}: {fault}"))  # no opened value
             except BaseException:
                 dep.breaker.release()
                 dep.pace.finished(began)
@@ -392,18 +376,31 @@ class Agent:
             output.send(inbox, AttemptAccepted(task_id=request.task_id, step=request.step,
                                                attempt_id=request.attempt_id, compensation=request.compensation,
                                                accepted_at=accepted_at), headers=headers)
-        if inputs is not None:
-            try:
-                request = inputs.open(request)
-            except SealingError as exc:
-                log.error("sealed input does not open", error=str(exc), agent=self.name, task_id=request.task_id,
-                          step=request.step, attempt=request.attempt)
-                output.send(inbox, StepResult(task_id=request.task_id, step=request.step,
-                                              attempt_id=request.attempt_id, ok=False, error=str(exc),
-                                              permanent=True, calls=0), headers=headers)
-                return
-        result = self.execute(request, accepted_at)
-        output.send(inbox, result if inputs is None else inputs.seal_answer(request, result), headers=headers)
+        if inputs is None:
+            output.send(inbox, self.execute(request, accepted_at), headers=headers)
+            return
+        try:
+            request, redactor = inputs.open(request)
+        except SealingError as exc:
+            log.error("sealed input does not open", error=str(exc), agent=self.name, task_id=request.task_id,
+                      step=request.step, attempt=request.attempt)
+            output.send(inbox, StepResult(task_id=request.task_id, step=request.step,
+                                          attempt_id=request.attempt_id, ok=False, error=str(exc),
+                                          permanent=True, calls=0), headers=headers)
+            return
+        with redacting(redactor):
+            result = self._execute_masked(request, accepted_at, redactor)
+        output.send(inbox, inputs.answer(request, result, redactor), headers=headers)
+
+    def _execute_masked(self, request: AgentRequest, accepted_at: datetime, redactor: Redactor) -> StepResult:
+        """:meth:`execute` for a request holding opened values: an attempt abandoned by a drain leaves with its
+        message masked and without its cause (whose text may quote a value), as a span or log records it."""
+        try:
+            return self.execute(request, accepted_at)
+        except AttemptAbandoned as exc:
+            if not redactor:
+                raise
+            raise AttemptAbandoned(redactor.text(str(exc))) from None
 
     def _wait_until(self, request: AgentRequest) -> None:
         """Hold an undo until its ``not_before``: the forward call it undoes may land until then at a service
@@ -428,87 +425,6 @@ class Agent:
                     step=request.step, attempt=request.attempt)
         return StepResult(task_id=request.task_id, step=request.step, attempt_id=request.attempt_id, ok=False,
                           error=error, permanent=False, calls=0)
-
-
-class FieldNotGranted(PermanentError):
-    """The agent's code asked for a sensitive value its step is not granted (``Step.opens``): the request
-    does not hold it, sealed or otherwise. A permanent failure: no attempt will be given it."""
-
-
-class GrantedFields(dict[str, Any]):
-    """One part of an opened request input (the task's input, or one earlier step's output) that knows what
-    was withheld from it: asking for a withheld value raises FieldNotGranted naming it, rather than a bare
-    KeyError or a silent None."""
-
-    def __init__(self, values: dict[str, Any], withheld: dict[str, str], step: str) -> None:
-        super().__init__(values)
-        self._withheld = withheld  # field name -> the name the workflow grants it by
-        self._step = step
-
-    def __missing__(self, name: str) -> Any:
-        self._refuse(name)
-        raise KeyError(name)
-
-    def get(self, name: str, default: Any = None) -> Any:
-        if name not in self:
-            self._refuse(name)
-        return super().get(name, default)
-
-    def _refuse(self, name: str) -> None:
-        if name in self._withheld:
-            raise FieldNotGranted(f"step {self._step} is not granted {self._withheld[name]}: it is sensitive and "
-                                  f"the step's opens does not name it", kind="validation")
-
-
-def granted_fields(request: AgentRequest, data: dict[str, Any]) -> dict[str, Any]:
-    """``data`` (a request's input) with its task input and each step output refusing their withheld values."""
-    inputs = {name: name for name in request.withheld if "." not in name}
-    outputs: dict[str, dict[str, str]] = {}
-    for name in request.withheld:
-        if "." in name:
-            step, _, field = name.partition(".")
-            outputs.setdefault(step, {})[field] = name
-    steps = data.get("steps")
-    return {**data,
-            "task": GrantedFields(data.get("task") or {}, inputs, request.step),
-            "steps": {step: GrantedFields(output, outputs.get(step, {}), request.step) if isinstance(output, dict)
-                      else output for step, output in steps.items()} if isinstance(steps, dict) else steps}
-
-
-class SealedInputs:
-    """Opens the sealed values of a request's input with its task's data key, read from the ``keys`` topic
-    and unwrapped with the master keys: the agent's service gets the clear values it works with, and
-    nothing the agent answers or logs is made of them."""
-
-    def __init__(self, keys: DataKeys, keyring: Keyring | None) -> None:
-        self.keys = keys
-        self.keyring = keyring
-
-    def open(self, request: AgentRequest) -> AgentRequest:
-        """``request`` with its input open; SealingError if a sealed value does not open."""
-        opened = open_step_input(request.input, request.task_id, lambda: self._key(request.task_id))
-        return request.model_copy(update={"input": granted_fields(request, opened) if request.withheld else opened})
-
-    def seal_answer(self, request: AgentRequest, result: StepResult) -> StepResult:
-        """``result`` with the output fields the request names sealed, so ``inbox`` never holds them in clear.
-        The scheduler names fields only for a task that has a data key, and a running task is never erased:
-        a missing key here is a broken invariant (SealingError), not something to answer in clear."""
-        if not request.sealed_output or not result.output:
-            return result
-        key = self._key(request.task_id)
-        if key is None:
-            raise SealingError(f"task {request.task_id}: its answer has marked fields and it has no data key")
-        where = (request.task_id, request.step, "compensation" if request.compensation else "output")
-        return result.model_copy(update={"output": seal_fields(result.output, request.sealed_output, where, key)})
-
-    def _key(self, task_id: str) -> TaskKey | None:
-        wrapped = self.keys.wrapped(task_id)
-        if wrapped is None:
-            return None
-        if self.keyring is None:
-            raise SealingError(f"task {task_id}: its input is sealed and this agent has no encryption key "
-                               "(STEPSTREAM_ENCRYPTION_KEYS)")
-        return self.keyring.unwrap(wrapped, task_id)
 
 
 def build_agent(kafka: KafkaSettings, consumer: ConsumerSettings, agent: Agent, concurrency: int = 1,

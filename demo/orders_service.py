@@ -19,7 +19,10 @@ Request contract (every operation, ``POST /<operation>`` with a JSON object body
   the header.
 - The body must carry ``order_id``; ``qty`` (if present) must be a positive integer, ``amount`` (if
   present) a non-negative number, ``card_token`` (if present) a non-empty string, which a charge keeps
-  with its record (the card it charged). Violations are permanent errors: 422.
+  with its record and says back in its answer (the card it charged, as payment APIs echo the payment
+  method). Violations are permanent errors: 422. A card on the service's block list (a token holding
+  ``blocked``) is refused with 422 ``card_blocked`` naming the token, as payment rails do: what a
+  service says back is no place for a sealed value to leave the agent in clear.
 - A key already applied for that operation returns the stored result (200, header
   ``Idempotent-Replayed: true``) and applies nothing. The same key with a *different* body is a
   client bug and answers 422 ``idempotency_key_reused`` (as Stripe does), never a silent replay.
@@ -306,6 +309,8 @@ def validate_body(body: JSON) -> str:
         # A sealed envelope arriving here means an agent failed to open it: refused, never charged, and the
         # answer does not repeat the value.
         raise ProblemError(422, "validation_error", "card_token must be a non-empty string", field="card_token")
+    if "blocked" in body.get("card_token", ""):
+        raise ProblemError(422, "card_blocked", f"card {body['card_token']} is blocked", field="card_token")
     return order_id
 
 
@@ -388,7 +393,8 @@ def _apply(state: OrdersState, op: Operation, body: JSON, order_id: str, key: st
             "captured_by": key,
             "captured_at": _now(),
         }
-        return {"charge_id": charge_id, "order_id": order_id, "status": "captured"}
+        echoed = {"card_token": body["card_token"]} if "card_token" in body else {}
+        return {"charge_id": charge_id, "order_id": order_id, "status": "captured", **echoed}
     if op == "payments/refund":
         refunded = _undo(state.charges, body, order_id, "charge_id", "captured", "refunded", key)
         amount = sum(state.charges[c]["amount"] for c in refunded)

@@ -1,4 +1,8 @@
-"""Structured (JSON) logs on stderr for every service; transient faults go out at WARNING."""
+"""Structured (JSON) logs on stderr for every service; transient faults go out at WARNING.
+
+Every log line, its rendered exception included, passes through the context's mask
+(:mod:`eventstore.masking`) before it is rendered.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,8 @@ import logging
 import sys
 
 import structlog
+
+from eventstore.masking import mask_values
 
 
 def configure_logging(level: str = "INFO", json: bool = True) -> None:
@@ -18,6 +24,7 @@ def configure_logging(level: str = "INFO", json: bool = True) -> None:
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
+            mask_values,
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level)),

@@ -28,7 +28,7 @@ import os
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 from cryptography.exceptions import InvalidTag
@@ -170,12 +170,21 @@ def output_place(task_id: str, step: str, name: str) -> tuple[str, ...]:
     return (task_id, step, "output", name)
 
 
-def open_step_input(data: dict[str, Any], task_id: str, key_of: Callable[[], TaskKey | None]) -> dict[str, Any]:
+class OpenedInput(NamedTuple):
+    """An agent request's input with its sealed values opened, and those values: what the agent must keep
+    out of everything it records or returns (:mod:`agents.redaction`)."""
+
+    data: dict[str, Any]
+    values: list[Any]
+
+
+def open_step_input(data: dict[str, Any], task_id: str, key_of: Callable[[], TaskKey | None]) -> OpenedInput:
     """An agent request's input (``{"task": input, "steps": {step: output}}``) with the values sealed with
-    the task's key opened, each for the place it sits in. ``key_of`` is asked for the key once, at the first
-    sealed value (a request holding none costs no lookup); SealingError when it has none (the task's data
-    was erased) or the key does not open a value."""
+    the task's key opened, each for the place it sits in, and the values opened. ``key_of`` is asked for the
+    key once, at the first sealed value (a request holding none costs no lookup); SealingError when it has
+    none (the task's data was erased) or the key does not open a value."""
     found: list[TaskKey | None] = []
+    values: list[Any] = []
 
     def opened(value: Any, where: tuple[str, ...]) -> Any:
         if not sealed_with_task_key(value):
@@ -186,12 +195,14 @@ def open_step_input(data: dict[str, Any], task_id: str, key_of: Callable[[], Tas
         if key is None:
             raise SealingError(f"task {task_id}: a sealed value at {'/'.join(where[1:])} and no data key "
                                "(the task's data was erased)")
-        return key.unseal(value, where)
+        clear = key.unseal(value, where)
+        values.append(clear)
+        return clear
 
-    def fields(values: Any, place: Callable[[str], tuple[str, ...]]) -> Any:
-        if not isinstance(values, dict):
-            return values
-        return {name: opened(value, place(name)) for name, value in values.items()}
+    def fields(part: Any, place: Callable[[str], tuple[str, ...]]) -> Any:
+        if not isinstance(part, dict):
+            return part
+        return {name: opened(value, place(name)) for name, value in part.items()}
 
     def output_of(step: str) -> Callable[[str], tuple[str, ...]]:
         return lambda name: output_place(task_id, step, name)
@@ -202,7 +213,7 @@ def open_step_input(data: dict[str, Any], task_id: str, key_of: Callable[[], Tas
     steps = data.get("steps")
     if isinstance(steps, dict):
         opened_data["steps"] = {step: fields(output, output_of(step)) for step, output in steps.items()}
-    return opened_data
+    return OpenedInput(opened_data, values)
 
 
 def seal_fields(values: dict[str, Any], names: list[str], where: tuple[str, ...], key: TaskKey) -> dict[str, Any]:

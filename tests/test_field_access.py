@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from agents.runtime import Agent, Call, FieldNotGranted, SealedInputs
+from agents.runtime import Agent, Call
+from agents.sealed_inputs import FieldNotGranted, SealedInputs
 from eventstore.keys import DataKeys
 from scheduler.sealing import granted, seal_input
 from scheduler.workflow import Compensation, Step, Workflow
@@ -69,7 +70,7 @@ def inventory_request(withheld: list[str]) -> AgentRequest:
                            calls_allowed=1,
                            input={"task": {k: v for k, v in task.items() if k not in withheld}, "steps": {}},
                            withheld=withheld)
-    return SealedInputs(keys, KEYRING).open(request)
+    return SealedInputs(keys, KEYRING).open(request)[0]
 
 
 def test_an_agent_asking_for_a_value_its_step_is_not_granted_fails_for_good_naming_it() -> None:

@@ -195,7 +195,7 @@ def test_an_erased_task_opens_nowhere_shows_erased_after_a_rebuild_and_cannot_be
     with client(system) as python:
         for task in ("forget-me", "keep-me", "forget-me-too"):
             python.submit("orders-card", order(task), task_id=task)
-        assert {python.wait(task)["status"] for task in ("forget-me", "keep-me", "forget-me-too")} == {"completed"}
+        assert {python.wait(task).status for task in ("forget-me", "keep-me", "forget-me-too")} == {"completed"}
     copies = key_copies(system, {"forget-me"})
 
     erase = system.cli("task", "erase", "forget-me", "--wait")
@@ -242,7 +242,7 @@ def test_an_erased_task_opens_nowhere_shows_erased_after_a_rebuild_and_cannot_be
     system.restart("projector")
     with client(system) as python:
         python.submit("orders-card", order("after-erase"), task_id="after-erase")
-        assert python.wait("after-erase", timeout_s=60)["status"] == "completed"
+        assert python.wait("after-erase", timeout_s=60).status == "completed"
     charge = next(e for e in system.events("forget-me") if isinstance(e, StepSucceeded) and e.step == "charge")
     assert is_sealed(charge.output["charge_id"])
 
@@ -253,7 +253,7 @@ def test_a_finished_tasks_card_data_is_erased_when_its_workflows_retention_runs_
     with client(system) as python:
         python.submit("orders-card-brief", order("brief"), task_id="brief")
         python.submit("orders-card", order("kept"), task_id="kept")
-        assert python.wait("brief")["status"] == python.wait("kept")["status"] == "completed"
+        assert python.wait("brief").status == python.wait("kept").status == "completed"
     shown = system.task("brief") or {}
     assert shown["erase_due_at"] is not None and shown["retention_ms"] == 2000, "when it will be erased is visible"
     assert (system.task("kept") or {})["erase_due_at"] is None, "a workflow without retention keeps it"
@@ -271,7 +271,7 @@ def test_a_new_master_key_seals_new_tasks_old_ones_still_open_and_their_keys_are
     start(system)
     with client(system) as python:
         python.submit("orders-card", order("before-rotation"), task_id="before-rotation")
-        assert python.wait("before-rotation")["status"] == "completed"
+        assert python.wait("before-rotation").status == "completed"
     still = system.cli("keys", "report", "--retiring", "k1", "--json")
     assert still.returncode == 3, "k1 wraps a task's key: not to be deleted yet"
     assert orjson.loads(still.stdout)["data_keys"] == {"k1": 1}
@@ -282,7 +282,7 @@ def test_a_new_master_key_seals_new_tasks_old_ones_still_open_and_their_keys_are
         system.restart(name)
     with client(system, f"{K2},{K1}") as python:
         python.submit("orders-card", order("after-rotation"), task_id="after-rotation")
-        assert python.wait("after-rotation", timeout_s=60)["status"] == "completed"
+        assert python.wait("after-rotation", timeout_s=60).status == "completed"
         python.submit("orders-card", order("before-rotation"), task_id="before-rotation")  # a repeat: no-op
 
     assert str(read_keys(system.bootstrap, system.layout.keys, {})["after-rotation"]).startswith("k2:")
@@ -312,3 +312,42 @@ def test_a_scheduler_without_a_key_for_a_workflow_marking_inputs_refuses_to_star
     log = system.procs.log("scheduler")
     assert "workflows orders-card v1, orders-card-brief v1 mark sensitive data but no encryption key" in log
     assert K1.split(":")[1] not in log
+
+
+def test_a_card_token_the_service_says_back_in_its_refusal_and_its_answer_is_nowhere_in_clear(
+    card_system: System,
+) -> None:
+    """The order service names a blocked card in its 422 and echoes a charged card in its answer: the agent
+    that opened the token masks it in its answer and its log, so topics, store, logs, API and CLI never hold
+    it, while the service's own records show the one refused and the other charged."""
+    system = card_system
+    start(system)
+    http = system.start_api()
+    tokens = {"refused": "tok_blocked_5500_0000_0004", "echoed": "tok_echoed_4242_4242_4242"}
+    with client(system) as python:
+        for task, token in tokens.items():
+            python.submit("orders-card", {**order(task), "card_token": token}, task_id=task)
+    assert system.wait_terminal(tokens, timeout_s=90) == {"refused": "compensated", "echoed": "completed"}
+    assert system.admin.records("refused")["charges"] == {}, "the service refused the blocked card"
+    assert charged_token(system, "echoed") == tokens["echoed"], "and charged the other, opened for it"
+
+    charged = next(e for e in system.events("echoed") if isinstance(e, StepSucceeded) and e.step == "charge")
+    assert charged.output["card_token"] == "[sealed]" and is_sealed(charged.output["charge_id"]), \
+        "the echo, an unmarked field, is masked; the marked field is sealed"
+    shown = {task: http.get(f"/api/tasks/{task}").text for task in tokens}
+    assert "card [sealed] is blocked" in shown["refused"], "why it failed is still told, the token masked"
+    cli = [system.cli("status", task, *json) for task in tokens for json in ((), ("--json",))]
+    assert all(run.returncode in (0, 4) for run in cli), [run.stderr for run in cli]
+    assert "[sealed]" in "".join(run.stdout for run in cli)
+    store = b"".join(path.read_bytes() for path in system.store_path.parent.glob(f"{system.store_path.name}*"))
+    raw = list(every_topic(system))
+    assert {system.layout.inbox, system.layout.events, system.layout.agent("payments")} <= {t for t, _ in raw}
+    logs = service_logs(system)
+    assert "card [sealed] is blocked" in logs, "the payments agent logged the refusal, masked"
+    for token in tokens.values():
+        assert not [topic for topic, data in raw if token.encode() in data], f"{token} in clear on a topic"
+        assert token.encode() not in store, "nor in the state store's file"
+        assert token not in logs, "nor in a service's log"
+        assert not [task for task, body in shown.items() if token in body], "nor in the API"
+        assert not [run.args for run in cli if token in run.stdout + run.stderr], "nor in the CLI"
+    http.close()

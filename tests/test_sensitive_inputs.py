@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from agents.runtime import SealedInputs
+from agents.sealed_inputs import SealedInputs
 from eventstore.keys import DataKeys
 from scheduler.decider import Limits, TaskState, decide
 from scheduler.sealing import EventSealer, SubmissionSealer, open_input, seal_input
@@ -135,14 +135,15 @@ def test_an_agent_request_input_opens_its_task_input_and_earlier_step_outputs_ea
         asked.append("t1")
         return key
 
-    opened = open_step_input(data, "t1", key_of)
+    opened, values = open_step_input(data, "t1", key_of)
     assert opened == {"task": submission().input, "steps": {"charge": {"card_ref": "ref-9", "id": "c"}}}
+    assert sorted(values) == sorted([submission().input["card_token"], "ref-9"]), "each value opened, for masking"
     assert asked == ["t1"], "the key is looked up once per request"
 
 
 def test_a_request_without_sealed_values_needs_no_key_and_an_erased_tasks_request_does_not_open() -> None:
     plain = {"task": {"order_id": "o-1"}, "steps": {}}
-    assert open_step_input(plain, "t1", lambda: pytest.fail("no key lookup")) == plain
+    assert open_step_input(plain, "t1", lambda: pytest.fail("no key lookup")) == (plain, [])
     sealed = {"task": seal_input(PAY, "t1", submission().input, TaskKey.generate()), "steps": {}}
     with pytest.raises(SealingError, match="data was erased"):
         open_step_input(sealed, "t1", lambda: None)

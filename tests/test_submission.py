@@ -30,7 +30,7 @@ def test_the_same_task_submitted_twice_runs_once(system: System) -> None:
     with _client(system) as client:
         client.submit("orders", ORDER, version=1, task_id="twice")
         client.submit("orders", ORDER, version=1, task_id="twice")
-        assert client.wait("twice")["status"] == "completed"
+        assert client.wait("twice").status == "completed"
     accepted = [e for e in system.events("twice") if isinstance(e, TaskAccepted)]
     assert len(accepted) == 1
     assert system.admin.applied_for("payments/charge", "twice:charge") == 1
@@ -52,7 +52,7 @@ def test_the_same_id_with_other_data_is_dead_lettered_with_an_alert_and_the_firs
     assert any(isinstance(e, OperatorAlert) and "contradict" in e.reason for e in events)
     accepted = next(e for e in events if isinstance(e, TaskAccepted))
     assert accepted.input["qty"] == 1, "nothing was overwritten"
-    assert (system.task("clash") or {})["status"] == first["status"] == "completed"
+    assert (system.task("clash") or {})["status"] == first.status == "completed"
 
 
 @pytest.mark.parametrize(
@@ -112,11 +112,11 @@ def test_past_the_in_flight_bound_submissions_are_rejected_visibly_and_admitted_
         assert rejected and 0 < len(admitted) <= system.layout.partitions
         system.admin.clear_faults("inventory/reserve")
         for task_id in admitted:
-            assert client.wait(task_id, timeout_s=90)["status"] == "completed"
+            assert client.wait(task_id, timeout_s=90).status == "completed"
         # Submitted again under the same id once there is room, a rejected task is admitted; waiting on the
         # retry is not answered by the earlier rejection.
         client.submit("orders", {**ORDER, "order_id": rejected[0]}, version=1, task_id=rejected[0])
-        assert client.wait(rejected[0], timeout_s=60)["status"] == "completed"
+        assert client.wait(rejected[0], timeout_s=60).status == "completed"
 
 
 def test_cli_submit_waits_and_exit_codes_tell_scripts_what_happened(system: System, tmp_path: Path) -> None:

@@ -184,8 +184,8 @@ def _submit(args: argparse.Namespace) -> int:
     except TaskWaitTimeout as exc:
         print(f"stepstream submit: --wait timed out: {exc}", file=sys.stderr)
         return EXIT_TIMEOUT
-    _print(task, args.json)
-    return 0 if task["status"] == TaskStatus.COMPLETED else EXIT_NOT_COMPLETED
+    _print(dict(task.row), args.json)
+    return 0 if task.completed else EXIT_NOT_COMPLETED
 
 
 def _status(args: argparse.Namespace) -> int:

@@ -48,6 +48,8 @@ from schemas.errors import DecodeError
 from schemas.messages import OperatorAction, OperatorCommand, StatusUpdate, SubmitTask, new_id
 from schemas.sealed import Keyring, configured_keys
 from schemas.states import TERMINAL, TaskStatus
+from stepstream.client.results import StepSummary as StepSummary  # re-exported: what wait returns
+from stepstream.client.results import TaskResult as TaskResult
 from stepstream.project.files import configure
 
 
@@ -200,9 +202,10 @@ class Client:
                 return None
         return self._store.task(task_id)
 
-    def wait(self, task_id: str, timeout_s: float = 60.0, poll_s: float = 0.2) -> dict[str, Any]:
-        """Until the task is terminal. Raises SubmissionRejected for a rejected task, SubmissionContradicts when
-        the scheduler refused this client's submission as a contradiction, TaskWaitTimeout on time."""
+    def wait(self, task_id: str, timeout_s: float = 60.0, poll_s: float = 0.2) -> TaskResult:
+        """Until the task is terminal: how it ended, its steps and its error (:class:`TaskResult`). Raises
+        SubmissionRejected for a rejected task, SubmissionContradicts when the scheduler refused this client's
+        submission as a contradiction, TaskWaitTimeout on time."""
         deadline = time.monotonic() + timeout_s
         while True:
             task = self.status(task_id)
@@ -214,7 +217,7 @@ class Client:
             if task is not None and task["status"] in TERMINAL:
                 if task["status"] == TaskStatus.REJECTED:
                     raise SubmissionRejected(f"task {task_id} was rejected: {task.get('error')}")
-                return task
+                return TaskResult.of(task)
             if time.monotonic() >= deadline:
                 state = task["status"] if task else "not seen yet"
                 raise TaskWaitTimeout(f"task {task_id} not finished after {timeout_s}s ({state})")

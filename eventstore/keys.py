@@ -9,10 +9,12 @@ A submitter that sealed a new task's input under a new data key never puts that 
 seven days, it would outlive an erasure). It *proposes* the key here first, under a record key of its own
 (``proposal_record``: the task id and a random reference, with the ``PROPOSED`` header), on the partition
 the task's inbox records land on, and produces the submission, naming only the reference, once the broker
-acknowledged the proposal. The scheduler finds the proposal when it handles the submission (``Proposals``),
-adopts the key (writing the task's own record) or reseals under the task's key, and writes the proposal's
-tombstone in that same transaction. So the task's own record is the only one left, and an erasure's
-tombstone of it leaves no copy of the key on any topic once ``keys`` is compacted.
+acknowledged the proposal. The scheduler finds the proposal when it handles the submission (``Proposals``;
+on any other partition when it is not on the task's: ``StrayProposals``, for a producer that placed it
+otherwise), adopts the key (writing the task's own record) or reseals under the task's key, and writes the
+proposal's tombstone in that same transaction. So the task's own record is the only one left, and an
+erasure's tombstone of it leaves no copy of the key on any topic once ``keys`` is compacted. A submission
+that is dead-lettered keeps its proposal, so the dead letter can be replayed; erasing its task tombstones it.
 
 A proposal never takes the task's own record key: a submitter racing an acceptance (it did not find the
 task yet) would otherwise replace the accepted key, and compaction could drop the key the task's events
@@ -291,6 +293,10 @@ class Proposals:
         """The submission of ``record`` was handled and committed, with the proposal's tombstone."""
         self._pending.pop(record, None)
 
+    def of_task(self, task_id: str) -> list[str]:
+        """The records of ``task_id``'s proposals still here: a dead-lettered submission's, kept for its replay."""
+        return [record for record in self._pending if record.rpartition("#")[0] == task_id]
+
     def close(self) -> None:
         self._follower.close()
 
@@ -338,6 +344,11 @@ class StrayProposals:
         """The transaction that took ``record`` committed."""
         self._taking.discard(record)
         self._found.pop(record, None)
+
+    def of_task(self, task_id: str) -> list[tuple[int, str]]:
+        """Where the proposals of ``task_id`` found so far are (partition, record)."""
+        return [(partition, record) for record, (partition, _wrapped) in self._found.items()
+                if record.rpartition("#")[0] == task_id]
 
     def close(self) -> None:
         self._follower.close()

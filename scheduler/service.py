@@ -425,6 +425,12 @@ class Scheduler:
         elif isinstance(event, TaskDataErased):
             keys.pop(event.task_id, None)
             output.send_raw(self.layout.keys, event.task_id, None, partition=partition)
+            # A dead-lettered submission's proposed key, kept for a replay, goes with the task's own.
+            kept = {(partition, record) for record in self._proposals[partition].of_task(event.task_id)}
+            if self._strays is not None:
+                kept.update(self._strays.of_task(event.task_id))
+            for where, record in sorted(kept):
+                self._take(where, record, output)
 
     def _effects(self, event: Event, state: TaskState, command: Message, output: EventProducer,
                  key: TaskKey | None) -> None:

@@ -85,7 +85,8 @@ def test_fifty_submissions_placed_by_librdkafkas_default_partitioner_end_as_a_co
     paid_orders: System,
 ) -> None:
     system = paid_orders
-    system.restart("scheduler#2")  # two schedulers: a record is moved to a partition another one may own
+    system.restart("scheduler#2")  # two schedulers: a record is moved to a partition another one owns
+    assert wait_for(lambda: "partitions ready" in system.procs.log("scheduler#2"), timeout_s=60)
     foreign = ForeignProducer(system.bootstrap)
     plain = [SubmitTask(task_id=f"crc-{n}", workflow="orders", workflow_version=1, input=plain_order(f"crc-{n}"),
                         submitter="shop") for n in range(40)]

@@ -139,7 +139,7 @@ def test_fifty_submissions_placed_by_librdkafkas_default_partitioner_end_as_a_co
     assert logged and len(logged) < len(astray), "told in aggregate, not a line per record"
 
 
-def test_a_sealed_submission_dead_lettered_by_the_scheduler_completes_when_the_dead_letter_is_replayed(
+def test_a_dead_lettered_sealed_submission_completes_on_replay_and_one_whose_key_is_gone_is_refused(
     paid_orders: System,
 ) -> None:
     system = paid_orders
@@ -150,14 +150,18 @@ def test_a_sealed_submission_dead_lettered_by_the_scheduler_completes_when_the_d
                                                   input=order("replayed-card"), submitter="shop"), f"{K2},{K1}")
     foreign.flush()
     foreign.submit(system.layout.inbox, command)
+    # And one naming a proposal that never came: it cannot be opened by any fix.
+    lost = SubmissionSealer(SENSITIVE_REGISTRY, Keyring.parse(K1)).seal(SubmitTask(
+        task_id="lost-key", workflow="orders-card", workflow_version=1, input=order("lost-key"), submitter="shop"))
+    foreign.submit(system.layout.inbox, lost.model_copy(update={"data_key": None}))
     foreign.flush()
 
-    entries: list[dict[str, Any]] = []
+    entries: dict[str, str] = {}
 
     def dead_lettered() -> bool:
         listed = system.cli("dlq", "list", "--json")
-        entries[:] = [e for e in orjson.loads(listed.stdout or "[]") if e["key"] == "replayed-card"]
-        return bool(entries)
+        entries.update({e["key"]: e["entry"] for e in orjson.loads(listed.stdout or "[]")})
+        return {"replayed-card", "lost-key"} <= set(entries)
 
     assert wait_for(dead_lettered, timeout_s=60), system.logs_tail()
     assert "replayed-card" not in system.statuses() and charged_token(system, "replayed-card") is None
@@ -168,8 +172,12 @@ def test_a_sealed_submission_dead_lettered_by_the_scheduler_completes_when_the_d
     system.env["STEPSTREAM_ENCRYPTION_KEYS"] = f"{K1},{K2}"  # the fix: the scheduler learns the new master key
     system.procs.terminate("scheduler")
     system.restart("scheduler")
-    replayed = system.cli("dlq", "replay", entries[0]["entry"])
+    replayed = system.cli("dlq", "replay", entries["replayed-card"], entries["lost-key"], "--json")
     assert replayed.returncode == 0, replayed.stdout + replayed.stderr
+    outcomes = {o["key"]: o for o in orjson.loads(replayed.stdout)}
+    assert outcomes["replayed-card"]["replayed_to"] and outcomes["lost-key"]["replayed_to"] is None
+    assert "is no longer on" in outcomes["lost-key"]["skipped"] and "submit the task again" in \
+        outcomes["lost-key"]["skipped"]
 
     statuses = system.wait_terminal(["replayed-card"], timeout_s=90)
     assert statuses == {"replayed-card": "completed"}

@@ -9,6 +9,10 @@ written in each batch's transaction, see ``scheduler.changelog``) and the events
 reflect yet (``scheduler.restore``), on a thread of its own with the partition paused (the consumer
 runtime's ``on_assign_paused``), not in the rebalance callback.
 
+A record on an inbox partition that does not own its task (a producer with another partitioner than
+murmur2) is moved as it is to the one that does, in the batch's transaction, and decided only there
+(``scheduler.placement``).
+
 An attempt's request carries its start-by and the length of its work deadline; the agent that takes it
 acknowledges on ``inbox`` (``AttemptAccepted``) and the decider records ``StepAccepted``, which starts the
 work deadline (see ``scheduler.workflow.Step``).

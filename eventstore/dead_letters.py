@@ -7,6 +7,11 @@ partition whose headers name the dead letter and where its copy landed. The reco
 therefore on the log, in order after the dead letter, for these functions (a second replay of the same dead
 letter needs ``force``) and for the projector's ``dlq_entries`` table alike.
 
+A dead-lettered submission with sealed input names the data key its submitter proposed on ``keys``; the
+scheduler keeps that proposal while the submission is a dead letter, so its replay opens it. One whose
+proposal is gone (taken by an earlier replay, or dead-lettered because it never came) is not replayed: it
+would only be dead-lettered again, and the outcome says why.
+
 The log is read with ``eventstore.replay.LogRange`` (raw records, headers included); the record model
 (``DeadLetter``) is ``eventstore.dlq``'s. ``stepstream dlq`` (``stepstream.cli.dlq``) shows what these return.
 """
@@ -30,8 +35,11 @@ from eventstore.dlq import (
 )
 from eventstore.errors import LogReadError, StepstreamError
 from eventstore.kafka_config import producer_config
+from eventstore.keys import proposal_record, read_key_records
 from eventstore.replay import LogRange
 from schemas.codec import Codec, default_codec
+from schemas.errors import DecodeError
+from schemas.messages import SubmitTask
 
 
 class DlqToolError(StepstreamError):
@@ -52,10 +60,11 @@ class DlqEntry:
 class DeadLetters:
     """The DLQ topic of one deployment, as the operators' tools see it."""
 
-    def __init__(self, bootstrap: str, topic: str, codec: Codec | None = None) -> None:
+    def __init__(self, bootstrap: str, topic: str, codec: Codec | None = None, keys_topic: str | None = None) -> None:
         self.bootstrap = bootstrap
         self.topic = topic
         self.codec = codec or default_codec()
+        self.keys_topic = keys_topic  # where sealed submissions' proposed data keys are; None: not checked
 
     def entries(self) -> list[DlqEntry]:
         """Every dead letter, oldest first per partition, with the replays recorded for it."""
@@ -101,6 +110,8 @@ class DeadLetters:
                 raise DlqToolError(f"ENTRY {partition}:{offset}: has no origin.topic/partition headers")
             skip = "already replayed (use --force to replay again)" if entry.replays and not force else None
             plan.append((entry, skip))
+        unopenable = self._unopenable([entry.letter for entry, skip in plan if skip is None])
+        plan = [(entry, skip or unopenable.get((entry.letter.partition, entry.letter.offset))) for entry, skip in plan]
         outcomes = [{**entry.letter.summary(), "replayed_to": None, "skipped": skip or ("dry run" if dry_run else None)}
                     for entry, skip in plan]
         todo = [(i, entry) for i, (entry, skip) in enumerate(plan) if skip is None and not dry_run]
@@ -140,3 +151,22 @@ class DeadLetters:
             outcomes[index]["replayed_to"] = landed[index]
         producer.flush(60)
         return outcomes
+
+    def _unopenable(self, letters: list[DeadLetter]) -> dict[tuple[int, int], str]:
+        """Why each of these dead-lettered submissions with sealed input cannot be opened any more (by place):
+        the data key it names is no longer proposed on ``keys``."""
+        named: dict[tuple[int, int], str] = {}
+        for letter in letters:
+            try:
+                message = self.codec.decode(letter.value) if letter.value is not None else None
+            except DecodeError:
+                continue
+            if isinstance(message, SubmitTask) and message.key_ref is not None:
+                named[(letter.partition, letter.offset)] = proposal_record(message.task_id, message.key_ref)
+        if not named or self.keys_topic is None:
+            return {}
+        proposals = read_key_records(self.bootstrap, self.keys_topic, {}).proposals
+        return {where: f"its sealed input was sealed with the data key proposed as {record!r}, which is no longer "
+                       f"on {self.keys_topic}: replayed, it would be dead-lettered again; submit the task again "
+                       "from its source instead"
+                for where, record in named.items() if proposals.get(record) is None}

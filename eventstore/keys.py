@@ -9,10 +9,12 @@ A submitter that sealed a new task's input under a new data key never puts that 
 seven days, it would outlive an erasure). It *proposes* the key here first, under a record key of its own
 (``proposal_record``: the task id and a random reference, with the ``PROPOSED`` header), on the partition
 the task's inbox records land on, and produces the submission, naming only the reference, once the broker
-acknowledged the proposal. The scheduler finds the proposal when it handles the submission (``Proposals``),
-adopts the key (writing the task's own record) or reseals under the task's key, and writes the proposal's
-tombstone in that same transaction. So the task's own record is the only one left, and an erasure's
-tombstone of it leaves no copy of the key on any topic once ``keys`` is compacted.
+acknowledged the proposal. The scheduler finds the proposal when it handles the submission (``Proposals``;
+on any other partition when it is not on the task's: ``StrayProposals``, for a producer that placed it
+otherwise), adopts the key (writing the task's own record) or reseals under the task's key, and writes the
+proposal's tombstone in that same transaction. So the task's own record is the only one left, and an
+erasure's tombstone of it leaves no copy of the key on any topic once ``keys`` is compacted. A submission
+that is dead-lettered keeps its proposal, so the dead letter can be replayed; erasing its task tombstones it.
 
 A proposal never takes the task's own record key: a submitter racing an acceptance (it did not find the
 task yet) would otherwise replace the accepted key, and compaction could drop the key the task's events
@@ -29,15 +31,15 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import structlog
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka import Message as KafkaMessage
 
-from eventstore.errors import InfrastructureError, LogReadError
+from eventstore.errors import LogReadError
 from eventstore.kafka_config import connection_config, consume_available
 from eventstore.partitioning import partition_of
 from eventstore.producer import EventProducer
 from eventstore.replay import LogRange, watermarks
-from eventstore.topics import reader_group
+from eventstore.topics import partition_count, reader_group
 from schemas.messages import SubmitTask
 from schemas.sealed import Keyring
 
@@ -291,11 +293,65 @@ class Proposals:
         """The submission of ``record`` was handled and committed, with the proposal's tombstone."""
         self._pending.pop(record, None)
 
+    def of_task(self, task_id: str) -> list[str]:
+        """The records of ``task_id``'s proposals still here: a dead-lettered submission's, kept for its replay."""
+        return [record for record in self._pending if record.rpartition("#")[0] == task_id]
+
     def close(self) -> None:
         self._follower.close()
 
     def __len__(self) -> int:
         return len(self._pending)
+
+
+class StrayProposals:
+    """Proposed data keys on every partition of ``keys``, for a submission whose proposal is not on its task's.
+
+    A producer that lets its client place the proposal (by its own record key, ``<task id>#<reference>``, or
+    by another partitioner than murmur2) puts it anywhere. The scheduler looks here only when the task's
+    own partition does not hold it: one follower over the whole topic, made at the first such look, reading
+    on from where the last look stopped (read_uncommitted, as ``Proposals`` does and for the same reason).
+
+    A proposal leaves memory when its tombstone is read, or when the transaction that took it committed
+    (``taken``). The tombstone of one this scheduler is taking is not heeded: its transaction may yet be
+    aborted (the tombstone with it) and the submission come again.
+    """
+
+    def __init__(self, bootstrap: str, topic: str) -> None:
+        self._follower = KeyFollower(bootstrap, topic, None, committed_only=False)
+        self._found: dict[str, tuple[int, str]] = {}  # record -> (partition, wrapped key)
+        self._taking: set[str] = set()
+
+    def find(self, record: str) -> tuple[int, str] | None:
+        """The partition holding the proposal ``record`` and its wrapped key; None when no partition does."""
+        if record not in self._found:
+            for msg in self._follower.read_on(None, lambda: record in self._found):
+                key, value = msg.key(), msg.value()
+                if key is None or PROPOSED not in (msg.headers() or []):
+                    continue
+                name = key.decode()
+                if value is not None:
+                    self._found[name] = (msg.partition(), value.decode())
+                elif name not in self._taking:
+                    self._found.pop(name, None)
+        return self._found.get(record)
+
+    def taking(self, record: str) -> None:
+        """The open transaction takes ``record`` (writes its tombstone)."""
+        self._taking.add(record)
+
+    def taken(self, record: str) -> None:
+        """The transaction that took ``record`` committed."""
+        self._taking.discard(record)
+        self._found.pop(record, None)
+
+    def of_task(self, task_id: str) -> list[tuple[int, str]]:
+        """Where the proposals of ``task_id`` found so far are (partition, record)."""
+        return [(partition, record) for record, (partition, _wrapped) in self._found.items()
+                if record.rpartition("#")[0] == task_id]
+
+    def close(self) -> None:
+        self._follower.close()
 
 
 class KeyProposer:
@@ -334,11 +390,7 @@ class KeyProposer:
     def _inbox_partitions(self) -> int:
         """The partition count of ``inbox`` (the same as ``keys``'s), asked once."""
         if self._partitions is None:
-            raw: Producer = self._producer.raw
-            metadata = raw.list_topics(self.inbox, timeout=30).topics[self.inbox]
-            if metadata.error is not None or not metadata.partitions:
-                raise InfrastructureError(f"cannot propose data keys: {self.inbox} unreadable ({metadata.error})")
-            self._partitions = len(metadata.partitions)
+            self._partitions = partition_count(self._producer.raw, self.inbox)
         return self._partitions
 
     def close(self) -> None:

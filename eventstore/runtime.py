@@ -61,6 +61,7 @@ class Record(NamedTuple):
     key: str | None
     message: Message
     headers: list[tuple[str, bytes]]
+    value: bytes | None = None  # the bytes ``message`` was decoded from: what a record moved as it is carries
 
 
 # Called once per decoded record; sends its output through the producer it is given.
@@ -264,7 +265,7 @@ class ConsumerRuntime:
         """The decoded record, or None when it could not be decoded (then it is already dead-lettered)."""
         try:
             return Record(raw.topic(), raw.partition(), raw.offset(), _text(raw.key()), self.codec.decode(raw.value()),
-                          list(raw.headers() or []))
+                          list(raw.headers() or []), raw.value())
         except DecodeError as exc:
             self._dead_letter(raw, exc.reason, type(exc).__name__, exc.kind)
             return None

@@ -13,7 +13,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from eventstore.broker import min_insync_replicas
@@ -193,3 +193,11 @@ def ensure_topics(admin: AdminClient, specs: list[TopicSpec], replication_factor
             if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
                 raise InfrastructureError(f"creating topic {name} failed: {exc}") from exc
     return created
+
+
+def partition_count(client: AdminClient | Producer, topic: str, timeout_s: float = 30.0) -> int:
+    """The partitions ``topic`` has on the cluster: what a partitioner divides by, whatever the settings say."""
+    metadata = client.list_topics(topic, timeout=timeout_s).topics[topic]
+    if metadata.error is not None or not metadata.partitions:
+        raise InfrastructureError(f"{topic}: its partitions are not known ({metadata.error})")
+    return len(metadata.partitions)

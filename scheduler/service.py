@@ -9,6 +9,10 @@ written in each batch's transaction, see ``scheduler.changelog``) and the events
 reflect yet (``scheduler.restore``), on a thread of its own with the partition paused (the consumer
 runtime's ``on_assign_paused``), not in the rebalance callback.
 
+A record on an inbox partition that does not own its task (a producer with another partitioner than
+murmur2) is moved as it is to the one that does, in the batch's transaction, and decided only there
+(``scheduler.placement``).
+
 An attempt's request carries its start-by and the length of its work deadline; the agent that takes it
 acknowledges on ``inbox`` (``AttemptAccepted``) and the decider records ``StepAccepted``, which starts the
 work deadline (see ``scheduler.workflow.Step``).
@@ -46,11 +50,11 @@ from prometheus_client import Gauge
 
 from eventstore.errors import PoisonMessageError
 from eventstore.kafka_config import connection_config
-from eventstore.keys import PROPOSED, Proposals, proposal_record, read_key_records
+from eventstore.keys import PROPOSED, Proposals, StrayProposals, proposal_record, read_key_records
 from eventstore.producer import EventProducer
 from eventstore.runtime import ConsumerRuntime, Record
 from eventstore.settings import ConsumerSettings, KafkaSettings
-from eventstore.topics import TopicLayout, TopicSpec, ensure_topics
+from eventstore.topics import TopicLayout, TopicSpec, ensure_topics, partition_count
 from eventstore.tracing import attempt_span, headers_of, span_for
 from scheduler.changelog import CHECKPOINT_KEY, SavedTask, encode_checkpoint, encode_task
 from scheduler.decider import (
@@ -63,6 +67,7 @@ from scheduler.decider import (
     pending,
     same_timer,
 )
+from scheduler.placement import MOVED_FROM, MisplacedRecords, owner_elsewhere
 from scheduler.quarantine import UNFOLDABLE, Quarantine
 from scheduler.restore import restore_partition, return_freed_memory
 from scheduler.sealing import EventSealer, granted, open_input, seal_input
@@ -150,6 +155,11 @@ class Scheduler:
         self._stale: dict[int, list[str]] = {}  # per partition, tasks whose key an older master key wraps
         self._proposals: dict[int, Proposals] = {}  # per partition, the data keys submitters proposed
         self._taken: list[tuple[int, str]] = []  # proposals the open transaction took (and tombstoned)
+        self._strays: StrayProposals | None = None  # proposals on any keys partition, followed once one is missed
+        # Inbox records on a partition that does not own their task are moved to the one that does: by the
+        # partition count of the topic itself (read again with each assignment), not the configured one.
+        self._inbox_partitions = layout.partitions
+        self._misplaced = MisplacedRecords()
         self._admin = AdminClient(connection_config(bootstrap))
         self._known_topics: set[str] = set()
         # Non-terminal tasks per partition, kept up to date as states change: admission control asks for
@@ -184,6 +194,9 @@ class Scheduler:
         command = record.message
         if not isinstance(command, (SubmitTask, StepResult, RecoverStep, OperatorCommand, AttemptAccepted, RetryDue)):
             raise PoisonMessageError(f"{type(command).__name__} is not a command the scheduler takes")
+        if (owner := owner_elsewhere(command.task_id, record.partition, self._inbox_partitions)) is not None:
+            self._move(record, command.task_id, owner, output)
+            return
         tasks = self._partition_tasks(record.partition)
         keys = self._keys.setdefault(record.partition, {})
         try:
@@ -203,10 +216,11 @@ class Scheduler:
         was_live = state is not None and not state.is_terminal
         before = state
         new_key: TaskKey | None = None
+        proposal: tuple[int, str] | None = None
         with span_for(command.task_id, f"scheduler {type(command).__name__}", record.headers):
             if isinstance(command, SubmitTask):
-                command, new_key = self._under_task_key(command, state, keys.get(command.task_id),
-                                                        record.partition, output)
+                command, new_key, proposal = self._under_task_key(command, state, keys.get(command.task_id),
+                                                                  record.partition)
             try:
                 decision = decide(command, state, registry=self.registry, now=datetime.now(UTC),
                                   in_flight=self.in_flight(record.partition), limits=self.limits)
@@ -235,8 +249,20 @@ class Scheduler:
             self._count_live(record.partition, (not state.is_terminal) - was_live)
             self._count_held(record.partition, tasks)
         if decision.dead_letter is not None:
-            # The alert event (if any) is already in this transaction; the command itself is dead-lettered.
+            # The alert event (if any) is already in this transaction; the command itself is dead-lettered, its
+            # proposed key (if any) kept on ``keys``, so a replay of the dead letter can open its input.
             raise PoisonMessageError(decision.dead_letter)
+        if proposal is not None:
+            self._take(*proposal, output)
+
+    def _move(self, record: Record, task_id: str, owner: int, output: EventProducer) -> None:
+        """Produce ``record`` as it is (key, bytes, headers) to the inbox partition that owns its task, in the
+        open transaction with this record's offset: it is moved exactly once and decided only there."""
+        assert record.value is not None, "the consumer runtime hands the handler each record's bytes"
+        origin = f"{record.topic}[{record.partition}]@{record.offset}".encode()
+        output.send_raw(self.layout.inbox, task_id, record.value, [*record.headers, (MOVED_FROM, origin)],
+                        partition=owner)
+        self._misplaced.add("inbox", record.partition, owner)
 
     def in_flight(self, partition: int) -> int:
         return self._live.get(partition, 0)
@@ -314,27 +340,28 @@ class Scheduler:
 
     # -- data keys ------------------------------------------------------------------------------
 
-    def _under_task_key(self, command: SubmitTask, state: TaskState | None, known: TaskKey | None, partition: int,
-                        output: EventProducer) -> tuple[SubmitTask, TaskKey | None]:
-        """A submission with its marked input sealed under the task's data key, and the key a new task gets.
+    def _under_task_key(self, command: SubmitTask, state: TaskState | None, known: TaskKey | None, partition: int
+                        ) -> tuple[SubmitTask, TaskKey | None, tuple[int, str] | None]:
+        """A submission with its marked input sealed under the task's data key, the key a new task gets, and
+        where the key it proposed is (``keys`` partition and record), to be taken once it is handled.
 
         The key is the known task's (a repeat then seals to the very bytes it was accepted with, so the
         decider tells a repeat from a contradiction by digest as for any task), else the submission's own,
         else a new one: a submitter that sent a marked field in clear (an older client) does not get it
         written in clear to ``events``. Nothing here opens what it does not reseal. The submission's own key
         is the one it proposed on ``keys`` (``eventstore.keys``), whose tombstone goes in this transaction
-        whatever is decided, or, from an older submitter, the one it carries.
+        unless the submission is dead-lettered, or, from an older submitter, the one it carries.
         """
-        wrapped = command.data_key
+        wrapped, proposal = command.data_key, None
         if command.key_ref is not None:
-            wrapped = self._proposed_key(command, partition, output)
+            proposal, wrapped = self._proposed_key(command, partition)
         try:
             workflow = self.registry.get(command.workflow, command.workflow_version if state is None
                                          else state.workflow_version)
         except WorkflowNotFoundError:
-            return command, None  # the decider dead-letters it
+            return command, None, proposal  # the decider dead-letters it
         if not workflow.has_sensitive_data:
-            return command, None
+            return command, None, proposal
         if wrapped is not None and self.sealer.keyring is not None:
             try:
                 own: TaskKey | None = self.sealer.keyring.unwrap(wrapped, command.task_id)
@@ -348,21 +375,34 @@ class Scheduler:
             data = open_input(workflow, command.task_id, data, own)
         sealed = command.model_copy(update={"input": seal_input(workflow, command.task_id, data, key),
                                             "data_key": None, "key_ref": None})
-        return sealed, None if known is not None else key
+        return sealed, None if known is not None else key, proposal
 
-    def _proposed_key(self, command: SubmitTask, partition: int, output: EventProducer) -> str:
-        """The wrapped key a submission proposed, its proposal tombstoned in the open transaction; a proposal
-        not on the partition dead-letters the submission (its sealed fields could never be opened)."""
+    def _proposed_key(self, command: SubmitTask, partition: int) -> tuple[tuple[int, str], str]:
+        """Where the key a submission proposed is (``keys`` partition and record), and the key, wrapped: on the
+        task's own partition, or else on any (a producer that placed it otherwise). Found nowhere, the
+        submission is dead-lettered: its sealed fields could never be opened."""
         assert command.key_ref is not None
         record = proposal_record(command.task_id, command.key_ref)
         wrapped = self._proposals[partition].wrapped(record)
-        if wrapped is None:
+        if wrapped is not None:
+            return (partition, record), wrapped
+        if self._strays is None:
+            self._strays = StrayProposals(self.bootstrap, self.layout.keys)
+        found = self._strays.find(record)
+        if found is None:
             raise PoisonMessageError(f"submission of task {command.task_id}: key_ref {command.key_ref!r} names no "
-                                     f"data key on {self.layout.keys}[{partition}] (proposed elsewhere, or taken "
-                                     "already): its sealed input could not be opened")
+                                     f"data key on {self.layout.keys} (not proposed yet, or taken already): its "
+                                     "sealed input could not be opened")
+        self._misplaced.add("keys", found[0], partition)
+        return (found[0], record), found[1]
+
+    def _take(self, partition: int, record: str, output: EventProducer) -> None:
+        """Tombstone a handled submission's proposed key in the open transaction (the task's own record holds
+        the key now, or the task needed none); it leaves memory once the transaction commits."""
         output.send_raw(self.layout.keys, record, None, [PROPOSED], partition=partition)
         self._taken.append((partition, record))
-        return wrapped
+        if self._strays is not None:
+            self._strays.taking(record)
 
     def _rewrap(self, partition: int, output: EventProducer) -> None:
         """Rewrap a few of the partition's data keys that an older master key wraps (none once rotated)."""
@@ -389,6 +429,12 @@ class Scheduler:
         elif isinstance(event, TaskDataErased):
             keys.pop(event.task_id, None)
             output.send_raw(self.layout.keys, event.task_id, None, partition=partition)
+            # A dead-lettered submission's proposed key, kept for a replay, goes with the task's own.
+            kept = {(partition, record) for record in self._proposals[partition].of_task(event.task_id)}
+            if self._strays is not None:
+                kept.update(self._strays.of_task(event.task_id))
+            for where, record in sorted(kept):
+                self._take(where, record, output)
 
     def _effects(self, event: Event, state: TaskState, command: Message, output: EventProducer,
                  key: TaskKey | None) -> None:
@@ -486,6 +532,7 @@ class Scheduler:
         "unknown task".)
         """
         self._ensure_topic(self.layout.scheduler_state_spec())
+        self._inbox_partitions = partition_count(self._admin, self.layout.inbox)
         for tp in partitions:
             keys, stale, proposals = self._restore_keys(tp.partition)
             restored = restore_partition(self.bootstrap, self.layout, tp.partition, self.sealer, keys)
@@ -596,7 +643,10 @@ class Scheduler:
         for partition, record in self._taken:
             if partition in self._proposals:
                 self._proposals[partition].taken(record)
+            if self._strays is not None:
+                self._strays.taken(record)
         self._taken.clear()
+        self._misplaced.committed()
         with self._ownership:
             for partition in self._saving:
                 self._unsaved.get(partition, set()).clear()
@@ -630,6 +680,7 @@ class Scheduler:
         for tasks in self._tasks.values():
             tasks.forget_fresh()
         self._taken.clear()  # still pending: the batch's submissions come again
+        self._misplaced.aborted()
         self._saving.clear()  # what the aborted transaction wrote to the changelog is not there: still unsaved
 
 

@@ -117,8 +117,10 @@ class Output:
         self.sent.append((topic, message))
 
 
-def scheduler() -> Scheduler:
-    layout = TopicLayout(prefix="memory.", partitions=3)
+def scheduler(partitions: int = 1) -> Scheduler:
+    """A scheduler of ``partitions`` inbox partitions: each record given to ``handle`` must be on the partition
+    that owns its task (one elsewhere is moved, not decided)."""
+    layout = TopicLayout(prefix="memory.", partitions=partitions)
     # The demo's latest version marks a field: a scheduler of its registry starts only with a master key.
     made = Scheduler(bootstrap="127.0.0.1:9", layout=layout, registry=REGISTRY, limits=Limits(),
                      keyring=Keyring.parse(f"k1:{KEY}"))
@@ -139,7 +141,7 @@ def submit(task_id: str) -> SubmitTask:
 
 
 def test_an_aborted_batch_puts_back_only_its_own_tasks_as_they_were_when_it_began() -> None:
-    made = scheduler()
+    made = scheduler(partitions=2)  # kept and other own partition 0, elsewhere 1
     first = handle(made, submit("kept"))
     made.committed()
     kept = made._tasks[0]["kept"]
@@ -147,7 +149,7 @@ def test_an_aborted_batch_puts_back_only_its_own_tasks_as_they_were_when_it_bega
 
     handle(made, AttemptAccepted(task_id="kept", step=started.step, attempt_id=started.attempt_id,
                                  accepted_at=datetime.now(UTC) + timedelta(seconds=1)))
-    handle(made, submit("dropped"))
+    handle(made, submit("other"))
     handle(made, submit("elsewhere"), partition=1)
     assert made._tasks[0]["kept"] != kept and made.in_flight(0) == 2
 
@@ -155,7 +157,7 @@ def test_an_aborted_batch_puts_back_only_its_own_tasks_as_they_were_when_it_bega
     assert made._tasks[0] == {"kept": kept}, "the accepted attempt is undone, the new task forgotten"
     assert REGISTRY_METRICS.get_sample_value("stepstream_scheduler_tasks_held", {"partition": "0"}) == 1
     assert made._tasks[1] == {} and (made.in_flight(0), made.in_flight(1)) == (1, 0)
-    again = handle(made, submit("dropped"))
+    again = handle(made, submit("other"))
     assert any(isinstance(m, TaskAccepted) for _t, m in again.sent), "the aborted submission is decided again"
 
 

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from eventstore.errors import InfrastructureError
+from eventstore.partitioning import partition_of
 from eventstore.runtime import Record
 from eventstore.topics import TopicLayout, TopicSpec
 from scheduler.decider import Limits
@@ -35,7 +36,7 @@ def test_a_reply_topic_that_cannot_be_made_fails_the_command_before_its_output_s
     monkeypatch.setattr("scheduler.service.ensure_topics", ensure_topics)
     command = SubmitTask(task_id="t-1", workflow="orders", workflow_version=1, submitter="shop",
                          input={"order_id": "t-1", "sku": "A-1", "qty": 1, "amount": 10})
-    record = Record(layout.inbox, 0, 0, command.task_id, command, [])
+    record = Record(layout.inbox, partition_of(command.task_id, layout.partitions), 0, command.task_id, command, [])
     output = Output()
 
     with pytest.raises(InfrastructureError):

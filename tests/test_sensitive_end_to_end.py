@@ -15,7 +15,7 @@ import psycopg
 import pytest
 from confluent_kafka.admin import AdminClient
 
-from eventstore.keys import KeyProposer, read_key_records, read_keys
+from eventstore.keys import KeyProposer, proposal_record, read_key_records, read_keys
 from eventstore.producer import EventProducer
 from eventstore.replay import LogRange, ReplayReader
 from eventstore.settings import KafkaSettings
@@ -182,7 +182,14 @@ def test_a_card_token_submitted_every_way_in_is_charged_yet_it_and_the_marked_ou
     assert holding(system, copies) == set(), "no data key, wrapped or not, on any other topic"
     proposals = read_key_records(system.bootstrap, system.layout.keys, {}).proposals
     assert {name.split("#")[0] for name in proposals} >= set(tokens)
-    assert all(wrapped is None for wrapped in proposals.values()), "every proposal taken and tombstoned"
+    kept = proposal_record("by-cli", str(contradiction.key_ref))
+    assert {name for name, wrapped in proposals.items() if wrapped is not None} == {kept}, \
+        "every proposal taken and tombstoned, but the dead-lettered contradiction's: kept for a replay"
+    # Erasing the task shreds the key of its dead letter too.
+    erased = system.cli("task", "erase", "by-cli", "--wait")
+    assert erased.returncode == 0, erased.stdout + erased.stderr
+    assert wait_for(lambda: read_key_records(system.bootstrap, system.layout.keys, {}).proposals[kept] is None,
+                    timeout_s=30)
     http.close()
 
 

@@ -20,9 +20,9 @@ from eventstore.settings import KafkaSettings
 from eventstore.topics import TopicLayout
 
 
-def _topic_and_bootstrap() -> tuple[str, str]:
+def _deployment() -> tuple[str, TopicLayout]:
     settings = KafkaSettings()
-    return settings.reachable_bootstrap(), TopicLayout.from_settings(settings).dlq
+    return settings.reachable_bootstrap(), TopicLayout.from_settings(settings)
 
 
 def _print_json(payload: Any) -> None:
@@ -32,7 +32,8 @@ def _print_json(payload: Any) -> None:
 def list_command(*, limit: int | None, as_json: bool) -> int:
     if limit is not None and limit < 1:
         raise DlqToolError(f"--limit {limit}: must be at least 1")
-    bootstrap, topic = _topic_and_bootstrap()
+    bootstrap, layout = _deployment()
+    topic = layout.dlq
     entries = sorted(DeadLetters(bootstrap, topic).entries(), key=lambda e: e.letter.dead_at_ms)
     shown = entries[-limit:] if limit else entries
     if as_json:
@@ -53,8 +54,8 @@ def list_command(*, limit: int | None, as_json: bool) -> int:
 
 
 def show_command(*, entry: str, as_json: bool) -> int:
-    bootstrap, topic = _topic_and_bootstrap()
-    dead_letters = DeadLetters(bootstrap, topic)
+    bootstrap, layout = _deployment()
+    dead_letters = DeadLetters(bootstrap, layout.dlq)
     letter = dead_letters.fetch(*parse_entry(entry))
     detail = letter.detail(dead_letters.codec)
     if as_json:
@@ -76,8 +77,9 @@ def show_command(*, entry: str, as_json: bool) -> int:
 
 def replay_command(*, entries: list[str], force: bool, dry_run: bool, as_json: bool) -> int:
     chosen = [parse_entry(e) for e in entries]
-    bootstrap, topic = _topic_and_bootstrap()
-    outcomes = DeadLetters(bootstrap, topic).replay(chosen, force=force, dry_run=dry_run)
+    bootstrap, layout = _deployment()
+    outcomes = DeadLetters(bootstrap, layout.dlq, keys_topic=layout.keys).replay(chosen, force=force,
+                                                                                 dry_run=dry_run)
     if as_json:
         _print_json(outcomes)
         return 0

@@ -67,19 +67,28 @@ def read_router(store: Store, topics: list[str], lag: LagReader | None,
     def tasks(
         state: Annotated[TaskStatus | None, Query(description="only tasks in this state")] = None,
         workflow: Annotated[str | None, Query(min_length=1, max_length=200)] = None,
+        version: Annotated[int | None, Query(ge=1, le=MAX_INT64, description="only this workflow version")] = None,
+        q: Annotated[str | None, Query(min_length=1, max_length=200,
+                                       description="only tasks whose id starts with this (case-sensitive)")] = None,
+        submitter: Annotated[str | None, Query(min_length=1, max_length=200,
+                                               description="only tasks this submitter submitted")] = None,
         since: Annotated[datetime | None, Query(description="created at or after (ISO 8601)")] = None,
         until: Annotated[datetime | None, Query(description="created before (ISO 8601)")] = None,
         limit: Limit = 50,
         cursor: Annotated[str | None, Query(description="next_cursor of the previous page")] = None,
     ) -> dict[str, Any]:
-        """Tasks newest first (by creation time), filtered by state, workflow and creation time."""
+        """Tasks newest first (by creation time), filtered by state, workflow (and version), submitter, creation
+        time and task id prefix; ``total`` is how many match, over every page."""
         since_ms, until_ms = _utc_ms(since), _utc_ms(until)
         if since_ms is not None and until_ms is not None and until_ms <= since_ms:
             raise invalid("until", "must be after since", until)
+        if version is not None and workflow is None:
+            raise invalid("version", "needs workflow: a version number belongs to one workflow", version)
         before = decode_cursor(cursor, (int, str))
-        items = store.tasks(state=state, workflow=workflow, since_ms=since_ms,
-                            until_ms=until_ms, before=(before[0], before[1]) if before else None, limit=limit)
-        return _page(items, limit, "created_at", "task_id")
+        filters: dict[str, Any] = {"state": state, "workflow": workflow, "version": version, "prefix": q,
+                                   "submitter": submitter, "since_ms": since_ms, "until_ms": until_ms}
+        items = store.tasks(**filters, before=(before[0], before[1]) if before else None, limit=limit)
+        return {**_page(items, limit, "created_at", "task_id"), "total": store.count_tasks(**filters)}
 
     @router.get("/api/tasks/{task_id}", tags=["tasks"], responses={404: {"description": "no such task in the store"}})
     def task(task_id: str) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Generic, NamedTuple, TypeVar
 
 from eventstore.errors import InfrastructureError
+from projections.charts import CHART_EVENTS
 from projections.migrations import Dialect, migrate
 from projections.rows import Executor, ms, project
 from schemas.messages import Event
@@ -416,6 +417,14 @@ class Store(ABC):
             "select occurred_at / 60000, count(*) from task_history where occurred_at >= ? and occurred_at < ? "
             "group by occurred_at / 60000 order by 1", (since_ms, until_ms))
         return [(int(minute) * 60000, int(n)) for minute, n in rows]
+
+    def chart_rows(self, since_ms: int, until_ms: int) -> list[tuple[str, int, str, int]]:
+        """(task_id, sequence, event_type, occurred_at) of the events the console's charts fold
+        (``projections.charts``), in the window, by task and sequence."""
+        types = ", ".join(f"'{t}'" for t in CHART_EVENTS)
+        return [(str(t), int(s), str(e), int(o)) for t, s, e, o in self._rows(
+            f"select task_id, sequence, event_type, occurred_at from task_history where occurred_at >= ? "
+            f"and occurred_at < ? and event_type in ({types}) order by task_id, sequence", (since_ms, until_ms))]
 
     def projection_errors(self, limit: int = 100) -> list[dict[str, Any]]:
         return self._dicts("select * from projection_errors order by topic, partition, event_offset limit ?",

@@ -17,7 +17,15 @@ from projections.dlq_rows import project_dead_letter
 from projections.lag import PROJECTION, LagReader
 from projections.settings import StoreSpec
 from projections.store import Positioned, Store
-from schemas.messages import Event, OperatorAlert, StepAccepted, StepFailed, StepStarted, TaskAccepted
+from schemas.messages import (
+    Event,
+    OperatorAlert,
+    StepAccepted,
+    StepFailed,
+    StepStarted,
+    TaskAccepted,
+    TaskCompleted,
+)
 from stepstream.http.app import create_app
 from tests.histories import histories, publish
 
@@ -165,6 +173,24 @@ def test_counts_stuck_and_failed_steps_alerts_dead_letters_and_throughput_agree_
     assert sum(p["events"] for p in series["series"]) == len(events)
 
 
+def test_a_task_lists_every_attempt_classified_and_the_charts_count_what_the_history_holds(
+    client: TestClient, events: list[Event],
+) -> None:
+    task_id = next(e.task_id for e in events if isinstance(e, StepFailed))
+    mine = [e for e in events if e.task_id == task_id]
+    found = client.get(f"/api/tasks/{task_id}").json()["attempts"]
+    assert [a["attempt_id"] for a in found] == [e.attempt_id for e in mine if isinstance(e, StepStarted)]
+    failures = {e.attempt_id: e for e in mine if isinstance(e, StepFailed)}
+    assert {a["attempt_id"] for a in found if a["error"]} == set(failures)
+    assert all(a["outcome"] in {"failed", "timed out", "refused", "throttled"} for a in found if a["error"])
+
+    series = client.get("/api/charts?minutes=60").json()["series"]
+    assert len(series) == 60
+    assert sum(p["completed"] for p in series) == sum(isinstance(e, TaskCompleted) for e in events) > 0
+    assert any(p["latency_p50_ms"] is not None for p in series)
+    assert client.get("/api/charts?minutes=0").status_code == 422
+
+
 @pytest.mark.parametrize(("query", "parameter"), [
     ("/api/tasks?state=bogus", "state"),
     ("/api/tasks?limit=0", "limit"),
@@ -191,7 +217,8 @@ def test_openapi_describes_every_endpoint(client: TestClient) -> None:
     paths = client.get("/openapi.json").json()["paths"]
     assert set(paths) == {"/api/tasks", "/api/tasks/{task_id}", "/api/counts", "/api/steps/stuck",
                           "/api/steps/queued", "/api/steps/waiting", "/api/steps/failed", "/api/alerts", "/api/dlq",
-                          "/api/dlq/summary", "/api/lag", "/api/throughput", "/api/health", "/api/agents"}
+                          "/api/dlq/summary", "/api/lag", "/api/throughput", "/api/health", "/api/agents",
+                          "/api/charts"}
     assert {p["name"] for p in paths["/api/tasks"]["get"]["parameters"]} == {
         "state", "workflow", "version", "q", "submitter", "since", "until", "limit", "cursor"}
 

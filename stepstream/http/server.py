@@ -34,8 +34,10 @@ def serve_api(*, host: str | None, port: int | None) -> int:
     """Serve the API, the dashboard and /metrics until SIGTERM/SIGINT (uvicorn drains open requests)."""
     import uvicorn
 
+    from eventstore.dead_letters import DeadLetters
     from projections.lag import LagReader
     from stepstream.http.app import create_app
+    from stepstream.http.dead_letters import dead_letter_routers
     from stepstream.http.probes import probes_router
     from stepstream.http.writes import write_router
 
@@ -74,8 +76,10 @@ def serve_api(*, host: str | None, port: int | None) -> int:
         print(f"api listening on http://{bound_host}:{bound_port} (store {store.describe()})", file=sys.stderr,
               flush=True)
         probes = probes_router(store, layout.events, stop, HEALTH if writer is not None else None)
-        app = create_app(store, layout, lag, [write_router(writer, settings), probes],
-                         _presence(kafka, layout) if lag is not None else None)
+        routers = [write_router(writer, settings), probes]
+        if lag is not None:  # a cluster to read dead letters from (replays still need a token)
+            routers += dead_letter_routers(DeadLetters(kafka.resolved_bootstrap(), layout.dlq), settings)
+        app = create_app(store, layout, lag, routers, _presence(kafka, layout) if lag is not None else None)
         server = _draining_server_class()(uvicorn.Config(app, log_level="warning", access_log=False))
         # uvicorn installs its own handlers when it runs; a signal that came before that stops it all the same.
 

@@ -218,7 +218,7 @@ def test_openapi_describes_every_endpoint(client: TestClient) -> None:
     assert set(paths) == {"/api/tasks", "/api/tasks/{task_id}", "/api/counts", "/api/steps/stuck",
                           "/api/steps/queued", "/api/steps/waiting", "/api/steps/failed", "/api/alerts", "/api/dlq",
                           "/api/dlq/summary", "/api/lag", "/api/throughput", "/api/health", "/api/agents",
-                          "/api/charts"}
+                          "/api/charts", "/api/dependencies"}
     assert {p["name"] for p in paths["/api/tasks"]["get"]["parameters"]} == {
         "state", "workflow", "version", "q", "submitter", "since", "until", "limit", "cursor"}
 

@@ -12,6 +12,7 @@ import os
 import shutil
 import socket
 import threading
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -23,6 +24,12 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
+from agents.http import http_handler
+from agents.policy import DependencyPolicy
+from agents.reporting import Reading, Reporter, prometheus_readings
+from agents.retry import RetryPolicy
+from agents.runtime import Agent
+from demo.orders_client import ServiceProcess
 from eventstore.dead_letters import DeadLetters
 from eventstore.dlq import DeadLetter, dlq_headers
 from eventstore.producer import EventProducer
@@ -33,11 +40,12 @@ from projections.lag import LagReader
 from projections.store import Positioned, SqliteStore
 from scheduler.decider import Limits, decide, fold
 from scheduler.workflow import Backoff, Step, Workflow, WorkflowRegistry
-from schemas.messages import Event, StepResult, SubmitTask
+from schemas.messages import AgentRequest, Event, StepResult, SubmitTask
 from schemas.states import TaskStatus
 from stepstream.http.admission import GlobalAdmission
 from stepstream.http.app import create_app
 from stepstream.http.dead_letters import dead_letter_routers
+from stepstream.http.dependencies import DependencyBoard
 from stepstream.http.settings import ApiSettings
 from stepstream.http.writer import TaskWriter
 from stepstream.http.writes import write_router
@@ -124,11 +132,16 @@ def serving(app: FastAPI) -> Iterator[str]:
 
 @pytest.fixture
 def api_url(store: SqliteStore, bootstrap: str, layout: TopicLayout) -> Iterator[str]:
-    """The read-only API (no token configured, so no writes), as ``stepstream serve api`` without tokens: lag
-    and the agents' presence read from the broker (no agent runs, so the page names the workflows' agent)."""
-    with serving(create_app(store, layout, LagReader(bootstrap, layout.prefix, cache_s=0.2),
-                            presence=Presence.of(WAITING_REGISTRY, bootstrap, layout))) as url:
-        yield url
+    """The read-only API (no token configured, so no writes), as ``stepstream serve api`` without tokens: lag,
+    the agents' presence and their reports read from the broker (no agent runs, so the page names the workflows'
+    agents)."""
+    board = DependencyBoard(bootstrap, layout.dependencies)
+    try:
+        with serving(create_app(store, layout, LagReader(bootstrap, layout.prefix, cache_s=0.2),
+                                presence=Presence.of(WAITING_REGISTRY, bootstrap, layout), dependencies=board)) as url:
+            yield url
+    finally:
+        board.close()
 
 
 @pytest.fixture
@@ -175,12 +188,14 @@ def operator_dashboard(browser: Browser, store: SqliteStore, bootstrap: str, lay
     writer = TaskWriter(bootstrap=bootstrap, layout=layout, store=store, registry=WAITING_REGISTRY,
                         admission=GlobalAdmission(store, lag, layout, settings.max_in_flight,
                                                   settings.admission_refresh_s), settings=settings)
+    board = DependencyBoard(bootstrap, layout.dependencies)
     try:
         routers = [write_router(writer, settings), *dead_letter_routers(DeadLetters(bootstrap, layout.dlq), settings)]
         presence = Presence.of(WAITING_REGISTRY, bootstrap, layout)
-        with serving(create_app(store, layout, lag, routers, presence)) as url, page_on(browser, url) as opened:
+        with serving(create_app(store, layout, lag, routers, presence, board)) as url, page_on(browser, url) as opened:
             yield opened
     finally:
+        board.close()
         writer.close()
 
 
@@ -429,3 +444,57 @@ def test_an_operator_inspects_a_dead_letter_and_replays_it_to_its_origin_once(
     assert len(read_to_end(bootstrap, layout.inbox)) == 1, "a second replay needs force"
     operator_dashboard.screenshot("console-dlq.png")
     assert [e for e in operator_dashboard.errors if "409" not in e] == []
+
+
+def test_the_dependencies_view_shows_the_throttles_of_a_throttling_service_at_the_top(
+    browser: Browser, store: SqliteStore, bootstrap: str, layout: TopicLayout,
+) -> None:
+    """A real agent calls the real order service, which throttles half its calls (429, Retry-After); the agent
+    process's reporter publishes to the real topic, the API follows it, the page shows it."""
+    dependency = f"orders-{uuid.uuid4().hex[:8]}"
+    reporter = Reporter(bootstrap, layout.dependencies, interval_s=0.5, window_s=60, concurrency=4,
+                        source=lambda: [r for r in prometheus_readings() if r.dependency == dependency])
+    board = DependencyBoard(bootstrap, layout.dependencies)
+    quiet = Reporter(bootstrap, layout.dependencies, interval_s=3, concurrency=1, instance="other:1",
+                     source=lambda: [Reading("shipping", "carrier", ok=1, breaker="closed", budget_remaining=5)])
+    try:
+        with ServiceProcess(seed=3) as service, service.admin() as admin:
+            admin.set_faults("inventory/reserve", throttle_rate=0.5, retry_after_s=0)
+            quiet.start()
+            agent = Agent("inventory", http_handler(service.base_url, "inventory/reserve"),
+                          DependencyPolicy(retry=RetryPolicy(max_retries=8)), dependency=dependency)
+            results = [agent.execute(_agent_request()) for _ in range(8)]
+            assert all(r.ok for r in results), results
+            reporter.start()
+            with serving(create_app(store, layout, dependencies=board)) as url, page_on(browser, url) as dashboard:
+                _open(dashboard, "/?view=deps")
+                page = dashboard.page
+                page.wait_for_function("document.querySelectorAll('#dependencies tbody tr[data-key]').length === 2 "
+                                       "&& document.querySelector('#dependencies tbody tr').dataset.key"
+                                       f".includes({dependency!r})", timeout=30000)
+                first = page.locator("#dependencies tbody tr").first
+                assert "trouble" in (first.get_attribute("class") or "")
+                throttles = float(first.locator('td[data-col="throttles/s"]').inner_text())
+                assert throttles > 0 and "throttled" in first.locator('td[data-col="trouble"]').inner_text()
+                assert first.locator('td[data-col="breaker"]').inner_text() == "closed", \
+                    "throttles are the service pacing us, not a failure the breaker counts"
+                assert first.locator('td[data-col="in use"]').inner_text().endswith("/ 4")
+                assert page.locator("#dependencies tbody tr").nth(1).locator('td[data-col="trouble"]').inner_text() \
+                    == ""
+                assert page.inner_text("#deps-count") == "1 in trouble"
+                dashboard.screenshot("console-dependencies.png")
+                page.click('nav a[data-view="tasks"]')
+                page.wait_for_selector("#trouble:not([hidden])")
+                assert dependency in page.inner_text("#trouble-text")
+                assert dashboard.errors == []
+    finally:
+        reporter.stop()
+        quiet.stop()
+        board.close()
+
+
+def _agent_request() -> AgentRequest:
+    task_id = f"t-{uuid.uuid4().hex[:12]}"
+    return AgentRequest(task_id=task_id, step="reserve", attempt=1, attempt_id=f"{task_id}:reserve:1",
+                        idempotency_key=f"{task_id}:reserve", complete_by=datetime.now(UTC) + timedelta(seconds=20),
+                        calls_allowed=10, input={"task": {"order_id": task_id, "sku": "A-1", "qty": 1}})

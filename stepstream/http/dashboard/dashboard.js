@@ -67,7 +67,8 @@ function setText(id, text) {
 // written, and rows move only when the order changed.
 
 class Table {
-  constructor(id, columns, key, onPick = null) {
+  constructor(id, columns, key, onPick = null, rowClass = null) {
+    this.rowClass = rowClass;
     this.table = $(id);
     this.columns = columns;
     this.key = key;
@@ -127,6 +128,9 @@ class Table {
 
   update(tr, item) {
     tr.item = item;
+    if (this.rowClass && tr.className !== `${this.onPick ? "clickable " : ""}${this.rowClass(item)}`.trim()) {
+      tr.className = `${this.onPick ? "clickable " : ""}${this.rowClass(item)}`.trim();
+    }
     this.columns.forEach((column, i) => {
       const td = tr.children[i];
       const value = column.value(item);
@@ -204,7 +208,7 @@ const current = {view: "tasks", task: null, filters: {}, cursors: [null], page: 
 
 function readLocation() {
   const query = new URLSearchParams(location.search);
-  current.view = query.get("view") === "dlq" ? "dlq" : "tasks";
+  current.view = ["dlq", "deps"].includes(query.get("view")) ? query.get("view") : "tasks";
   current.filters = Object.fromEntries(FILTERS.map(f => [f, query.get(f) || ""]).filter(([, v]) => v));
   current.task = new URLSearchParams(location.hash.slice(1)).get("task");
   current.cursors = [null];
@@ -228,7 +232,7 @@ function applyFilters(filters) {
 
 function showView() {
   const view = current.task ? "task" : current.view;
-  for (const name of ["tasks", "task", "dlq"]) $(`view-${name}`).hidden = name !== view;
+  for (const name of ["tasks", "task", "dlq", "deps"]) $(`view-${name}`).hidden = name !== view;
   for (const link of document.querySelectorAll("nav a")) link.classList.toggle("active", link.dataset.view === view);
   if (view === "task") showTask(current.task);
   else if (view === "tasks") loadTasks().then(refresh);
@@ -460,6 +464,10 @@ async function refresh() {
     const common = await Promise.all([
       panel(get("/api/health"), h => setText("store", h.store), err => setText("store", err.message)),
       panel(get("/api/dlq/summary"), d => setText("dlq-depth", d.depth), () => setText("dlq-depth", "?")),
+      panel(get("/api/dependencies"), drawDependencies, err => {
+        failedTo(dependencyTable)(err);
+        $("trouble").hidden = true;
+      }),
     ]);
     let ok = common.every(Boolean);
     if (current.task) await showTask(current.task);
@@ -591,6 +599,36 @@ async function showTask(taskId) {
   }
 }
 
+// ---- dependencies: what each agent process last reported (agents/reporting.py), the ones in trouble first -------
+
+const rate = v => (v ? `${v.toFixed(v < 10 ? 2 : 0)}` : "0");
+const dependencyTable = new Table("dependencies", [
+  {name: "agent", value: d => d.agent},
+  {name: "dependency", value: d => d.dependency, cls: () => "id"},
+  {name: "breaker", value: d => d.breaker ?? "none", cls: d => `breaker ${d.breaker || ""}`},
+  {name: "calls/s", value: d => rate(d.calls_per_s), cls: () => "n"},
+  {name: "throttles/s", value: d => rate(d.throttles_per_s), cls: d => d.throttles_per_s ? "n warn" : "n"},
+  {name: "failures/s", value: d => rate(d.failures_per_s), cls: d => d.failures_per_s ? "n bad" : "n"},
+  {name: "refused/s", value: d => rate(d.refusals_per_s), cls: () => "n"},
+  {name: "budget left", value: d => d.budget_remaining === null ? "none" : Math.floor(d.budget_remaining),
+   cls: d => d.budget_remaining !== null && d.budget_remaining < 1 ? "n bad" : "n"},
+  {name: "p50", value: d => seconds(d.latency_p50_ms === null ? null : Math.round(d.latency_p50_ms)), cls: () => "n"},
+  {name: "p99", value: d => seconds(d.latency_p99_ms === null ? null : Math.round(d.latency_p99_ms)), cls: () => "n"},
+  {name: "in use", value: d => `${d.in_use.toFixed(1)}${d.concurrency ? " / " + d.concurrency : ""}`, cls: () => "n"},
+  {name: "process", value: d => d.instance, cls: () => "muted"},
+  {name: "reported", value: d => `${d.age_s} s ago`, cls: () => "n"},
+  {name: "trouble", value: d => d.trouble.join("; "), cls: () => "error"},
+], d => `${d.agent}/${d.dependency}/${d.instance}`, null, d => (d.trouble.length ? "trouble" : ""));
+
+function drawDependencies(data) {
+  dependencyTable.draw(data.items);
+  const troubled = data.items.filter(d => d.trouble.length);
+  $("trouble").hidden = !troubled.length || current.view === "deps";
+  setText("trouble-text", troubled.slice(0, 3).map(d => `${d.agent} → ${d.dependency}: ${d.trouble[0]}`).join("; ") +
+          (troubled.length > 3 ? ` and ${troubled.length - 3} more` : ""));
+  setText("deps-count", troubled.length ? `${troubled.length} in trouble` : "");
+}
+
 // ---- dead letters -------------------------------------------------------------------------------------------
 
 const dlqState = {cursor: null, items: [], chosen: null};
@@ -681,7 +719,7 @@ $("back").addEventListener("click", event => {
   current.task = null;
   showView();
 });
-for (const link of document.querySelectorAll("nav a")) {
+for (const link of document.querySelectorAll("nav a, #trouble-link")) {
   link.addEventListener("click", event => {
     event.preventDefault();
     const query = new URLSearchParams(link.getAttribute("href").split("?")[1] || "");

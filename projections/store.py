@@ -317,7 +317,7 @@ class Store(ABC):
                 params.append(value)
         if prefix:
             low, high = prefix_range(prefix)
-            column = self._code_point_order("task_id")
+            column = self._prefix_column(low, high)
             where.append(f"{column} >= ?")
             params.append(low)
             if high is not None:
@@ -325,9 +325,21 @@ class Store(ABC):
                 params.append(high)
         return where, params
 
-    def _code_point_order(self, column: str) -> str:
-        """``column`` as an expression that compares by code point and has an index (SQLite: itself)."""
-        return column
+    # Past this many tasks with the prefix, a page is found faster walking the newest tasks than sorting those.
+    NARROW_PREFIX = 2000
+
+    def _few_start_with(self, low: str, high: str | None) -> bool:
+        """Whether few tasks' ids are in [low, high): counted in the primary key, never past ``NARROW_PREFIX``."""
+        bound, params = ("and task_id < ?", (low, high)) if high is not None else ("", (low,))
+        return int(self._rows(f"select count(*) from (select 1 from tasks where task_id >= ? {bound} limit ?)",
+                              (*params, self.NARROW_PREFIX))[0][0]) < self.NARROW_PREFIX
+
+    def _prefix_column(self, low: str, high: str | None) -> str:
+        """The task id as the prefix search compares it: by code point, through an index. In SQLite that is the
+        column itself; for a prefix many tasks share it is ``+task_id``, which keeps the planner off the primary
+        key (SQLite's documented way): it then walks tasks newest first and stops after a page, instead of
+        sorting every match (60 ms for a third of 100,000 tasks, a few walking)."""
+        return "task_id" if self._few_start_with(low, high) else "+task_id"
 
     def task(self, task_id: str) -> dict[str, Any] | None:
         """One task with its steps (in workflow order), or None."""

@@ -128,6 +128,9 @@ def test_the_task_list_searches_by_id_prefix_submitter_and_version_and_says_how_
     everything = client.get("/api/tasks?limit=1").json()
     assert everything["total"] == 304 and len(everything["items"]) == 1
     assert all(t["submitter"] is None for t in _walk(client, "q=task-", 100))
+    store.NARROW_PREFIX = 2  # SQLite walks tasks newest first for a prefix many share
+    assert ids("q=shop-") == ["shop-a1", "shop-a2", "shop-b1", "shop-\U0010ffff"]
+    assert ids("q=task-000001", 7) == [f"task-000001{i}" for i in range(10)]
 
 
 def test_a_task_shows_its_steps_and_its_whole_timeline_in_order(client: TestClient, events: list[Event]) -> None:

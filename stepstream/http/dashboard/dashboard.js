@@ -573,9 +573,13 @@ async function showTask(taskId) {
       ...[task.error, task.quarantine_reason && `quarantined: ${task.quarantine_reason}`,
           ...task.unattended.map(u => `${u.step}: ${u.reason}`)].filter(Boolean)
         .map(text => el("div", text, {class: "error"})));
-    const actions = (ACTIONS[task.status] || []).map(action => [action, () => command(taskId, action)]);
-    $("task-actions").replaceChildren(actions.length ? buttons(...actions) :
-      el("span", `no operator action for a task ${task.status}`, {class: "muted"}));
+    const bar = $("task-actions");  // redrawn when the task's state changes, not under the operator's pointer
+    if (bar.dataset.drawn !== `${taskId} ${task.status}`) {
+      bar.dataset.drawn = `${taskId} ${task.status}`;
+      const actions = (ACTIONS[task.status] || []).map(action => [action, () => command(taskId, action)]);
+      bar.replaceChildren(actions.length ? buttons(...actions) :
+        el("span", `no operator action for a task ${task.status}`, {class: "muted"}));
+    }
     drawTimeline(task.attempts);
     attemptTable.draw(task.attempts);
     setText("event-count", `(${task.timeline.length})`);
@@ -593,6 +597,7 @@ async function showTask(taskId) {
   } catch (err) {
     $("task-summary").replaceChildren(el("span", err.message, {class: "error"}));
     $("task-actions").replaceChildren();
+    delete $("task-actions").dataset.drawn;
     $("task-timeline").replaceChildren();
     attemptTable.draw([]);
     $("events").replaceChildren();

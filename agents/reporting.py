@@ -205,7 +205,7 @@ class Reporter:
                 log.warning("dependency report not sent", error=repr(exc))
             self._stop.wait(self.interval_s)
 
-    def stop(self, timeout_s: float = 5.0) -> None:
+    def stop(self, timeout_s: float = 2.0) -> None:
         """Stop reporting and withdraw this process's reports (tombstones)."""
         self._stop.set()
         if self._thread is not None:

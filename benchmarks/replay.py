@@ -55,6 +55,7 @@ from fastavro import schemaless_reader
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.shared import postgres_url
 from eventstore.broker import LocalBroker
 from eventstore.kafka_config import consume_available, producer_config
 from eventstore.settings import KafkaSettings
@@ -291,18 +292,6 @@ def floors(values: list[bytes]) -> dict[str, float]:
     n = len(values)
     return {"avro_us": round(1e6 * avro / n, 2), "sql_us": round(1e6 * sql_cpu / n, 2),
             "statements_per_event": round(sum(len(b) for b in batches) / n, 2)}
-
-
-def postgres_url(given: str | None) -> tuple[str, Any]:
-    if given:
-        return given, None
-    from tests.postgres import ThrowawayPostgres, server_binaries
-
-    bindir = server_binaries()
-    if bindir is None:
-        raise SystemExit("no PostgreSQL server binaries: pass --postgres-url or --skip-postgres")
-    cluster = ThrowawayPostgres(bindir)
-    return cluster.start(), cluster
 
 
 def main() -> int:

@@ -107,3 +107,17 @@ def run_facts(benchmark: str, started: datetime, bootstrap: str, broker: str, pr
         "load_avg_1m_before": round(load_before[0], 2),
         "load_avg_1m_after": round(load_after[0], 2),
     }
+
+
+def postgres_url(given: str | None) -> tuple[str, Any]:
+    """The PostgreSQL server to measure: ``given``, else a throwaway cluster of the installed server binaries
+    (``tests/postgres.py``), returned with it so the caller stops it."""
+    if given:
+        return given, None
+    from tests.postgres import ThrowawayPostgres, server_binaries
+
+    bindir = server_binaries()
+    if bindir is None:
+        raise SystemExit("no PostgreSQL server binaries: pass --postgres-url or --skip-postgres")
+    cluster = ThrowawayPostgres(bindir)
+    return cluster.start(), cluster

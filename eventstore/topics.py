@@ -78,6 +78,12 @@ class TopicLayout:
     def supervisor_lease(self) -> str:
         return f"{self.prefix}supervisor-lease"
 
+    @property
+    def dependencies(self) -> str:
+        """Each agent process's report on the dependencies it calls (``agents.reporting``), read by the API;
+        compacted: the last report of each agent, dependency and process."""
+        return f"{self.prefix}dependencies"
+
     def agent(self, name: str) -> str:
         return f"{self.prefix}agent.{name}"
 
@@ -94,6 +100,7 @@ class TopicLayout:
             TopicSpec(self.supervisor_lease, 1),
             self.keys_spec(),
             self.scheduler_state_spec(),
+            self.dependencies_spec(),
         ]
 
     def keys_spec(self, segment_ms: int | None = None) -> TopicSpec:
@@ -116,6 +123,13 @@ class TopicLayout:
         return TopicSpec(self.scheduler_state, self.partitions, {
             "cleanup.policy": "compact", "segment.bytes": str(64 * 1024 * 1024), "segment.ms": str(3600 * 1000),
             "min.cleanable.dirty.ratio": "0.1", "delete.retention.ms": str(24 * 3600 * 1000)})
+
+    def dependencies_spec(self) -> TopicSpec:
+        """One partition (a few records per agent process: every reader reads it all), compacted soon (a
+        report supersedes the last one), a tombstone kept an hour (a process that stopped leaves the view)."""
+        return TopicSpec(self.dependencies, 1, {
+            "cleanup.policy": "compact", "segment.ms": str(10 * 60 * 1000), "min.cleanable.dirty.ratio": "0.1",
+            "min.compaction.lag.ms": "0", "delete.retention.ms": str(3600 * 1000)})
 
     # -- consumer groups (each starts with the prefix, so the lag report and one prefixed ACL find them) --
 

@@ -171,6 +171,23 @@ MIGRATIONS: tuple[tuple[int, Script], ...] = (
         create index tasks_erase_due on tasks (erase_due_at, task_id)
             where erase_due_at is not null and erased_at is null;
     """),
+    (8, {
+        # The console's task list: who submitted a task (rows projected before this version say nothing until a
+        # rebuild), and indexes for its filters, newest first. Workflow, version and submitter never change once a
+        # task is admitted, so these indexes cost the projector one write per task, not one per event. The search
+        # by task id prefix is a range of the primary key in SQLite (byte order); PostgreSQL's primary key follows
+        # the database's collation, where a prefix is not one range, so it gets an index in code-point order.
+        "sqlite": """
+            alter table tasks add column submitter text;
+            create index tasks_by_workflow_created on tasks (workflow, workflow_version, created_at, task_id);
+            create index tasks_by_submitter_created on tasks (submitter, created_at, task_id);
+        """,
+        "postgresql": """
+            alter table tasks add column submitter text;
+            create index tasks_by_workflow_created on tasks (workflow, workflow_version, created_at, task_id);
+            create index tasks_by_submitter_created on tasks (submitter, created_at, task_id);
+            create index tasks_by_id_code_points on tasks (task_id collate "C");
+        """}),
 )
 
 

@@ -87,15 +87,15 @@ def project(db: Executor, event: Event) -> None:
             # existing row makes the insert fail: a second admission is refused like any constraint breach.
             # No row count is read (PostgreSQL pipelines a batch's statements): the insert skips the row the
             # update just made current.
-            db.execute("update tasks set status = ?, sequence = ?, updated_at = ?, error = ? "
+            db.execute("update tasks set status = ?, sequence = ?, updated_at = ?, error = ?, submitter = ? "
                        "where task_id = ? and status = ?",
-                       (status, event.sequence, at, error, event.task_id, TaskStatus.REJECTED))
+                       (status, event.sequence, at, error, event.submitter, event.task_id, TaskStatus.REJECTED))
             db.execute(
                 "insert into tasks(task_id, workflow, workflow_version, status, sequence, failure_count, "
-                "created_at, updated_at, error) select ?, ?, ?, ?, ?, 0, ?, ?, ? where not exists "
+                "created_at, updated_at, error, submitter) select ?, ?, ?, ?, ?, 0, ?, ?, ?, ? where not exists "
                 "(select 1 from tasks where task_id = ? and sequence = ? and updated_at = ?)",
                 (event.task_id, event.workflow, event.workflow_version, status, event.sequence, at, at, error,
-                 event.task_id, event.sequence, at),
+                 event.submitter, event.task_id, event.sequence, at),
             )
             if isinstance(event, TaskAccepted) and event.retention_s is not None:
                 db.execute("update tasks set retention_ms = ? where task_id = ?",

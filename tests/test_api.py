@@ -17,7 +17,15 @@ from projections.dlq_rows import project_dead_letter
 from projections.lag import PROJECTION, LagReader
 from projections.settings import StoreSpec
 from projections.store import Positioned, Store
-from schemas.messages import Event, OperatorAlert, StepAccepted, StepFailed, StepStarted, TaskAccepted
+from schemas.messages import (
+    Event,
+    OperatorAlert,
+    StepAccepted,
+    StepFailed,
+    StepStarted,
+    TaskAccepted,
+    TaskCompleted,
+)
 from stepstream.http.app import create_app
 from tests.histories import histories, publish
 
@@ -96,6 +104,35 @@ def test_tasks_are_filtered_by_state_workflow_and_time_and_pages_walk_every_matc
     assert len(earlier) == 149
 
 
+def test_the_task_list_searches_by_id_prefix_submitter_and_version_and_says_how_many_match(
+    store: Store, client: TestClient, events: list[Event],
+) -> None:
+    extra = [TaskAccepted(task_id=task_id, sequence=1, workflow="orders", workflow_version=version,
+                          causation_id="c", input={}, input_digest="d", submitter=submitter)
+             for task_id, version, submitter in (("shop-a1", 2, "shop"), ("shop-a2", 1, "shop"),
+                                                 ("shop-b1", 2, "back-office"), ("shop-\U0010ffff", 2, "shop"))]
+    store.apply_events(LAYOUT.events, [Positioned(1, i, e) for i, e in enumerate(extra)])
+
+    def ids(query: str, limit: int = 2) -> list[str]:
+        found = _walk(client, query, limit)
+        assert client.get(f"/api/tasks?{query}&limit={limit}").json()["total"] == len(found)
+        return sorted(t["task_id"] for t in found)
+
+    assert ids("q=shop-a") == ["shop-a1", "shop-a2"]
+    assert ids("q=shop-") == ["shop-a1", "shop-a2", "shop-b1", "shop-\U0010ffff"]
+    assert ids("q=Shop-a") == [], "ids are case-sensitive"
+    assert ids("q=task-000001", 7) == [f"task-000001{i}" for i in range(10)]
+    assert ids("submitter=shop") == ["shop-a1", "shop-a2", "shop-\U0010ffff"]
+    assert ids("submitter=shop&q=shop-a&workflow=orders&version=2") == ["shop-a1"]
+    assert ids("state=error&q=shop") == []
+    everything = client.get("/api/tasks?limit=1").json()
+    assert everything["total"] == 304 and len(everything["items"]) == 1
+    assert all(t["submitter"] is None for t in _walk(client, "q=task-", 100))
+    store.NARROW_PREFIX = 2  # SQLite walks tasks newest first for a prefix many share
+    assert ids("q=shop-") == ["shop-a1", "shop-a2", "shop-b1", "shop-\U0010ffff"]
+    assert ids("q=task-000001", 7) == [f"task-000001{i}" for i in range(10)]
+
+
 def test_a_task_shows_its_steps_and_its_whole_timeline_in_order(client: TestClient, events: list[Event]) -> None:
     task_id = next(e.task_id for e in events if isinstance(e, StepFailed))
     body = client.get(f"/api/tasks/{task_id}").json()
@@ -139,6 +176,24 @@ def test_counts_stuck_and_failed_steps_alerts_dead_letters_and_throughput_agree_
     assert sum(p["events"] for p in series["series"]) == len(events)
 
 
+def test_a_task_lists_every_attempt_classified_and_the_charts_count_what_the_history_holds(
+    client: TestClient, events: list[Event],
+) -> None:
+    task_id = next(e.task_id for e in events if isinstance(e, StepFailed))
+    mine = [e for e in events if e.task_id == task_id]
+    found = client.get(f"/api/tasks/{task_id}").json()["attempts"]
+    assert [a["attempt_id"] for a in found] == [e.attempt_id for e in mine if isinstance(e, StepStarted)]
+    failures = {e.attempt_id: e for e in mine if isinstance(e, StepFailed)}
+    assert {a["attempt_id"] for a in found if a["error"]} == set(failures)
+    assert all(a["outcome"] in {"failed", "timed out", "refused", "throttled"} for a in found if a["error"])
+
+    series = client.get("/api/charts?minutes=60").json()["series"]
+    assert len(series) == 60
+    assert sum(p["completed"] for p in series) == sum(isinstance(e, TaskCompleted) for e in events) > 0
+    assert any(p["latency_p50_ms"] is not None for p in series)
+    assert client.get("/api/charts?minutes=0").status_code == 422
+
+
 @pytest.mark.parametrize(("query", "parameter"), [
     ("/api/tasks?state=bogus", "state"),
     ("/api/tasks?limit=0", "limit"),
@@ -150,6 +205,10 @@ def test_counts_stuck_and_failed_steps_alerts_dead_letters_and_throughput_agree_
     ("/api/dlq?replayed=perhaps", "replayed"),
     ("/api/alerts?before_id=0", "before_id"),
     ("/api/throughput?minutes=0", "minutes"),
+    ("/api/tasks?q=", "q"),
+    ("/api/tasks?submitter=", "submitter"),
+    ("/api/tasks?workflow=orders&version=0", "version"),
+    ("/api/tasks?version=2", "version"),  # a version without its workflow means nothing
 ])
 def test_an_invalid_parameter_gets_a_422_naming_it(client: TestClient, query: str, parameter: str) -> None:
     response = client.get(query)
@@ -161,9 +220,10 @@ def test_openapi_describes_every_endpoint(client: TestClient) -> None:
     paths = client.get("/openapi.json").json()["paths"]
     assert set(paths) == {"/api/tasks", "/api/tasks/{task_id}", "/api/counts", "/api/steps/stuck",
                           "/api/steps/queued", "/api/steps/waiting", "/api/steps/failed", "/api/alerts", "/api/dlq",
-                          "/api/dlq/summary", "/api/lag", "/api/throughput", "/api/health", "/api/agents"}
+                          "/api/dlq/summary", "/api/lag", "/api/throughput", "/api/health", "/api/agents",
+                          "/api/charts", "/api/dependencies"}
     assert {p["name"] for p in paths["/api/tasks"]["get"]["parameters"]} == {
-        "state", "workflow", "since", "until", "limit", "cursor"}
+        "state", "workflow", "version", "q", "submitter", "since", "until", "limit", "cursor"}
 
 
 @pytest.mark.kafka

@@ -15,8 +15,8 @@ MODULES = sorted(path.stem for path in (ROOT / "benchmarks").glob("*.py") if pat
 
 
 def test_every_benchmark_is_listed() -> None:
-    assert MODULES == ["agent_calls", "broker_kill_loop", "burst", "event_store", "replay", "restore", "scaling",
-                       "sealing", "submit", "throttling", "timers", "waiting_out_kills", "workflow"]
+    assert MODULES == ["agent_calls", "broker_kill_loop", "burst", "console", "event_store", "replay", "restore",
+                       "scaling", "sealing", "submit", "throttling", "timers", "waiting_out_kills", "workflow"]
 
 
 @pytest.mark.parametrize("module", MODULES)

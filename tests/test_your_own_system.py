@@ -75,6 +75,15 @@ def test_the_travel_example_under_up_completes_a_trip_and_undoes_a_declined_one_
         assert all(not items for items in undone["held"].values()), f"nothing held: {undone}"
         assert [entry["operation"] for entry in undone["log"]] == [
             "flights/book", "hotels/book", "hotels/cancel", "flights/cancel"], "undone in reverse order"
+
+        # Each agent process that called its service reports it, and the console's API lists it.
+        called = {"flights", "hotels", "payments", "hotels-cancel", "flights-cancel"}
+
+        def reported() -> set[str]:
+            items = httpx.get(f"{state['api_url']}/api/dependencies", timeout=10).json()["items"]
+            return {item["agent"] for item in items if item["calls_total"] > 0}
+
+        assert wait_for(lambda: reported() >= called, timeout_s=30), reported()
     finally:
         up.send_signal(signal.SIGTERM)
         code = up.wait(timeout=150)

@@ -14,12 +14,14 @@ import orjson
 import structlog
 from fastapi import APIRouter, HTTPException, Query
 
+from projections.attempts import Attempt, attempts
+from projections.charts import per_minute
 from projections.lag import LagReader
 from projections.rows import exact_ms
 from projections.store import Store
-from schemas.states import TaskStatus
+from schemas.states import StepStatus, TaskStatus
 from stepstream.http.errors import invalid
-from stepstream.presence import Presence, no_agent
+from stepstream.presence import Presence, no_agent, step_agent
 
 log = structlog.get_logger("stepstream.api")
 
@@ -51,6 +53,12 @@ def _utc_ms(value: datetime | None) -> int | None:
     return None if value is None else exact_ms(value)
 
 
+def _minute_window(minutes: int) -> int:
+    """The start (epoch ms) of a window of whole minutes that ends with the current minute."""
+    now = datetime.now(UTC).replace(second=0, microsecond=0) + timedelta(minutes=1)
+    return exact_ms(now - timedelta(minutes=minutes))
+
+
 def _page(items: list[dict[str, Any]], limit: int, *cursor_columns: str) -> dict[str, Any]:
     last = items[-1] if len(items) == limit else None
     return {"items": items, "next_cursor": encode_cursor(*(last[c] for c in cursor_columns)) if last else None}
@@ -67,30 +75,47 @@ def read_router(store: Store, topics: list[str], lag: LagReader | None,
     def tasks(
         state: Annotated[TaskStatus | None, Query(description="only tasks in this state")] = None,
         workflow: Annotated[str | None, Query(min_length=1, max_length=200)] = None,
+        version: Annotated[int | None, Query(ge=1, le=MAX_INT64, description="only this workflow version")] = None,
+        q: Annotated[str | None, Query(min_length=1, max_length=200,
+                                       description="only tasks whose id starts with this (case-sensitive)")] = None,
+        submitter: Annotated[str | None, Query(min_length=1, max_length=200,
+                                               description="only tasks this submitter submitted")] = None,
         since: Annotated[datetime | None, Query(description="created at or after (ISO 8601)")] = None,
         until: Annotated[datetime | None, Query(description="created before (ISO 8601)")] = None,
         limit: Limit = 50,
         cursor: Annotated[str | None, Query(description="next_cursor of the previous page")] = None,
     ) -> dict[str, Any]:
-        """Tasks newest first (by creation time), filtered by state, workflow and creation time."""
+        """Tasks newest first (by creation time), filtered by state, workflow (and version), submitter, creation
+        time and task id prefix; ``total`` is how many match, over every page."""
         since_ms, until_ms = _utc_ms(since), _utc_ms(until)
         if since_ms is not None and until_ms is not None and until_ms <= since_ms:
             raise invalid("until", "must be after since", until)
+        if version is not None and workflow is None:
+            raise invalid("version", "needs workflow: a version number belongs to one workflow", version)
         before = decode_cursor(cursor, (int, str))
-        items = store.tasks(state=state, workflow=workflow, since_ms=since_ms,
-                            until_ms=until_ms, before=(before[0], before[1]) if before else None, limit=limit)
-        return _page(items, limit, "created_at", "task_id")
+        filters: dict[str, Any] = {"state": state, "workflow": workflow, "version": version, "prefix": q,
+                                   "submitter": submitter, "since_ms": since_ms, "until_ms": until_ms}
+        items = store.tasks(**filters, before=(before[0], before[1]) if before else None, limit=limit)
+        return {**_page(items, limit, "created_at", "task_id"), "total": store.count_tasks(**filters)}
 
     @router.get("/api/tasks/{task_id}", tags=["tasks"], responses={404: {"description": "no such task in the store"}})
     def task(task_id: str) -> dict[str, Any]:
-        """One task, its steps, its full timeline (every event, decoded), and ``unattended``: its steps in
-        progress whose agent has no process running (``reason``: "no agent running for `NAME`")."""
+        """One task, its steps, its full timeline (every event, decoded), ``attempts``: every attempt of its steps
+        and their undos with its outcome classified (``projections.attempts``) and its agent, and
+        ``unattended``: its steps in progress whose agent has no process running ("no agent running for `NAME`")."""
         found = store.task(task_id)
         if found is None:
             raise HTTPException(404, f"no task {task_id!r} in the state store")
         timeline = [{**{k: v for k, v in e.items() if k != "body"}, "event": orjson.loads(e["body"])}
                     for e in store.history(task_id)]
-        return {**found, "unattended": _unattended(found), "timeline": timeline}
+        return {**found, "unattended": _unattended(found), "timeline": timeline,
+                "attempts": [{**a.as_json(), "agent": _agent(found, a)} for a in attempts(timeline)]}
+
+    def _agent(task: dict[str, Any], attempt: Attempt) -> str | None:
+        if presence is None:
+            return None
+        status = StepStatus.COMPENSATING if attempt.compensation else StepStatus.PROCESSING
+        return step_agent(presence.registry, task["workflow"], task["workflow_version"], attempt.step, status)
 
     def _unattended(task: dict[str, Any]) -> list[dict[str, str]]:
         if presence is None:
@@ -183,12 +208,17 @@ def read_router(store: Store, topics: list[str], lag: LagReader | None,
     @router.get("/api/throughput", tags=["operators"])
     def throughput(minutes: Annotated[int, Query(ge=1, le=7 * 24 * 60)] = 60) -> dict[str, Any]:
         """Events per minute over the last ``minutes`` (from the task history); minutes without any are 0."""
-        now = datetime.now(UTC).replace(second=0, microsecond=0) + timedelta(minutes=1)
-        start = now - timedelta(minutes=minutes)
-        first = _utc_ms(start) or 0
+        first = _minute_window(minutes)
         seen = dict(store.throughput(first, first + minutes * 60000))
         series = [{"minute": first + i * 60000, "events": seen.get(first + i * 60000, 0)} for i in range(minutes)]
         return {"series": series, "total": sum(seen.values())}
+
+    @router.get("/api/charts", tags=["operators"])
+    def charts(minutes: Annotated[int, Query(ge=1, le=24 * 60)] = 60) -> dict[str, Any]:
+        """Per minute over the last ``minutes``: tasks completed and compensated, step latency p50/p99 (hand-over
+        to result, ms; null: no attempt ended that minute) and queue depth (``projections.charts``)."""
+        first = _minute_window(minutes)
+        return {"series": per_minute(store.chart_rows(first, first + minutes * 60000), first, minutes)}
 
     @router.get("/api/health", tags=["operators"])
     def health() -> dict[str, Any]:

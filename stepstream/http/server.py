@@ -34,8 +34,11 @@ def serve_api(*, host: str | None, port: int | None) -> int:
     """Serve the API, the dashboard and /metrics until SIGTERM/SIGINT (uvicorn drains open requests)."""
     import uvicorn
 
+    from eventstore.dead_letters import DeadLetters
     from projections.lag import LagReader
     from stepstream.http.app import create_app
+    from stepstream.http.dead_letters import dead_letter_routers
+    from stepstream.http.dependencies import DependencyBoard
     from stepstream.http.probes import probes_router
     from stepstream.http.writes import write_router
 
@@ -66,6 +69,7 @@ def serve_api(*, host: str | None, port: int | None) -> int:
                          "(STEPSTREAM_BOOTSTRAP_SERVERS, or `stepstream broker start`)")
     # No token, no writes: the API then serves the store without any Kafka client of the write side.
     writer = _task_writer(kafka, layout, store, lag, settings) if settings.tokens and lag is not None else None
+    board: DependencyBoard | None = None
     try:
         # Listen before announcing the address: a client that reads it and connects at once is queued, not
         # refused, while the app is still starting.
@@ -74,8 +78,11 @@ def serve_api(*, host: str | None, port: int | None) -> int:
         print(f"api listening on http://{bound_host}:{bound_port} (store {store.describe()})", file=sys.stderr,
               flush=True)
         probes = probes_router(store, layout.events, stop, HEALTH if writer is not None else None)
-        app = create_app(store, layout, lag, [write_router(writer, settings), probes],
-                         _presence(kafka, layout) if lag is not None else None)
+        routers = [write_router(writer, settings), probes]
+        if lag is not None:  # a cluster to read dead letters and the agents' reports from
+            routers += dead_letter_routers(DeadLetters(kafka.resolved_bootstrap(), layout.dlq), settings)
+            board = DependencyBoard(kafka.resolved_bootstrap(), layout.dependencies)
+        app = create_app(store, layout, lag, routers, _presence(kafka, layout) if lag is not None else None, board)
         server = _draining_server_class()(uvicorn.Config(app, log_level="warning", access_log=False))
         # uvicorn installs its own handlers when it runs; a signal that came before that stops it all the same.
 
@@ -86,6 +93,8 @@ def serve_api(*, host: str | None, port: int | None) -> int:
         threading.Thread(target=stop_server, name="api-stop", daemon=True).start()
         server.run(sockets=[listener])
     finally:
+        if board is not None:
+            board.close()
         if writer is not None:
             writer.close()
         store.close()

@@ -12,6 +12,7 @@ from eventstore.health import HEALTH, serve_health
 from eventstore.logs import configure_logging
 from eventstore.settings import ConsumerSettings, KafkaSettings, ObservabilitySettings
 from eventstore.shutdown import GracefulShutdown
+from eventstore.topics import TopicLayout
 from eventstore.tracing import configure_tracing
 
 if TYPE_CHECKING:
@@ -62,6 +63,7 @@ class PolicyRefused(StepstreamError):
 
 def run_agent(name: str) -> int:
     from agents.policy import FilePolicy, PolicyError
+    from agents.reporting import Reporter
     from agents.runtime import build_agent
     from agents.settings import AgentSettings
     from stepstream.project.agents import declared_agent
@@ -79,10 +81,14 @@ def run_agent(name: str) -> int:
         threading.Thread(target=_watch_policy, args=(policy, stop), name="policy-watch", daemon=True).start()
     agent = declared_agent(project, name, policy, stop, connections=settings.concurrency,
                            url_override=settings.service_url)
+    # What the console shows of this agent's dependencies (breaker, budget, throttles): published beside it.
+    reporter = Reporter(kafka.resolved_bootstrap(), TopicLayout.from_settings(kafka).dependencies,
+                        concurrency=settings.concurrency).start()
     try:
         build_agent(kafka, consumer, agent, settings.concurrency).run()
     finally:
         agent.dependencies.flush()  # the calls' trouble since the last aggregated line
+        reporter.stop()
     return 0
 
 

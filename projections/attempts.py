@@ -1,0 +1,116 @@
+"""A task's attempts, read from its history: when each was handed over, taken and ended, how it ended, and the
+wait that followed it, for the console's timeline of a task.
+
+The store keeps only a step's last attempt in its row; the history keeps every one, so the attempts are folded
+from it here (a pure function of the events, like every projection). Each attempt's outcome is classified from
+what the events say about it:
+
+* ``succeeded`` (``undone`` for a compensation): its agent reported success;
+* ``timed out``: its deadline passed (``StepFailed.timed_out``), or its agent said its call timed out;
+* ``refused``: a permanent failure (``permanent``: the service refused it for good, never retried);
+* ``throttled``: the service asked us to slow down: the timer written after it says ``error_kind`` throttled;
+* ``deferred``: it made no call, ended by a timer (an open breaker or a spent retry budget);
+* ``failed``: any other failure (a server error, a lost connection);
+* ``queued`` or ``running``: not ended yet.
+
+A failure's ``error_kind`` is on the timer the scheduler writes after it, not on the failure event itself, so a
+failure that needed no timer (the last one before escalation) is classified by ``timed_out`` and ``permanent``
+only: ``failed`` then covers a throttled last attempt too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from typing import Any
+
+_KIND_OUTCOMES = {"throttled": "throttled", "timeout": "timed out", "permanent": "refused"}
+
+
+@dataclass
+class Attempt:
+    step: str
+    compensation: bool
+    attempt: int
+    attempt_id: str
+    handed_at: int  # epoch ms: the scheduler handed it to its agent (queued from then)
+    accepted_at: int | None = None  # its agent took it: the work began
+    ended_at: int | None = None
+    outcome: str = "queued"
+    error: str | None = None
+    error_kind: str | None = None
+    wait_until: int | None = None  # the timer after it: the next attempt starts no earlier
+    wait_reason: str | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _ms(value: Any) -> int | None:
+    """An event's time as epoch ms (event bodies hold ISO 8601 text)."""
+    if value is None:
+        return None
+    return int(datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp() * 1000)
+
+
+def attempts(history: Iterable[Mapping[str, Any]]) -> list[Attempt]:
+    """Every attempt of a task in the order they were handed over; ``history`` is the task's events in order,
+    each ``{"event_type", "occurred_at" (ms), "event" (the decoded body)}``."""
+    found: list[Attempt] = []
+    by_id: dict[str, Attempt] = {}
+    last_ended: dict[tuple[str, bool], Attempt] = {}
+    for row in history:
+        kind, at, event = row["event_type"], int(row["occurred_at"]), row["event"]
+        if kind in ("StepStarted", "StepCompensationStarted"):
+            attempt = Attempt(event["step"], kind == "StepCompensationStarted", event["attempt"], event["attempt_id"],
+                              at, outcome="queued" if event.get("start_by") else "running")
+            if event.get("start_by") is None:  # older events: running from the start, no queue
+                attempt.accepted_at = at
+            found.append(attempt)
+            by_id[attempt.attempt_id] = attempt
+            continue
+        current = by_id.get(event.get("attempt_id") or event.get("deferred_attempt_id") or "")
+        if kind == "StepAccepted" and current is not None:
+            current.accepted_at = _ms(event["accepted_at"])
+            current.outcome = "running"
+        elif kind in ("StepSucceeded", "StepCompensated") and current is not None:
+            _end(current, at, "undone" if kind == "StepCompensated" else "succeeded", None)
+            last_ended[(current.step, current.compensation)] = current
+        elif kind in ("StepFailed", "StepCompensationFailed") and current is not None:
+            outcome = "timed out" if event.get("timed_out") else "refused" if event.get("permanent") else "failed"
+            _end(current, at, outcome, event.get("error"))
+            last_ended[(current.step, current.compensation)] = current
+        elif kind == "StepRetryScheduled":
+            _timer(event, at, current, last_ended)
+        elif kind == "RetryBroughtForward":  # an operator's try-now: the wait ended here
+            for key in ((event["step"], False), (event["step"], True)):
+                ended = last_ended.get(key)
+                if ended is not None and ended.wait_until is not None and ended.wait_until > at:
+                    ended.wait_until = at
+    return found
+
+
+def _end(attempt: Attempt, at: int, outcome: str, error: str | None) -> None:
+    attempt.ended_at, attempt.outcome, attempt.error = at, outcome, error
+
+
+def _timer(event: Mapping[str, Any], at: int, deferred: Attempt | None,
+           last_ended: dict[tuple[str, bool], Attempt]) -> None:
+    """A timer ends a deferred attempt (no call made), or follows the attempt that failed before it, whose
+    classification it sharpens with the agent's ``error_kind``."""
+    kind = event.get("error_kind")
+    if deferred is not None:
+        _end(deferred, at, "deferred", event["reason"])
+        target = deferred
+        last_ended[(deferred.step, deferred.compensation)] = deferred
+    else:
+        found = last_ended.get((event["step"], bool(event.get("compensation"))))
+        if found is None:
+            return
+        target = found
+        if target.outcome == "failed" and kind in _KIND_OUTCOMES:
+            target.outcome = _KIND_OUTCOMES[kind]
+    target.error_kind = kind
+    target.wait_until = _ms(event["not_before"])
+    target.wait_reason = event["reason"]

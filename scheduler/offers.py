@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 import structlog
+from confluent_kafka import KafkaException
 from pydantic import BaseModel, ValidationError
 
 from eventstore.errors import LogReadError
@@ -66,7 +67,8 @@ class Offers:
 
     @classmethod
     def read(cls, bootstrap: str, topic: str) -> Offers:
-        """The topic read to its end; no topic yet (no scheduler ever started) is no offer."""
+        """The topic read to its end; no topic yet (no scheduler ever started), or none this principal may read,
+        is no offer: the scheduler's own check then answers."""
         latest: dict[bytes, Offer | None] = {}
         try:
             for msg in LogRange(bootstrap, topic):
@@ -77,7 +79,9 @@ class Offers:
                     latest[key] = None if value is None else Offer.model_validate_json(value)
                 except ValidationError:
                     log.warning("unreadable workflows record ignored", topic=topic, offset=msg.offset())
-        except LogReadError:
+        except (LogReadError, KafkaException) as exc:  # no such topic yet, or no grant to read it (docs/acls.md)
+            log.info("workflows topic not read: nothing known of the running schedulers' versions", topic=topic,
+                     error=str(exc))
             return cls(())
         return cls(tuple(offer for offer in latest.values() if offer is not None))
 

@@ -228,7 +228,7 @@ def test_admission_control_rejects_a_submission_at_the_in_flight_bound_visibly()
     assert decision.dead_letter is None
     rejected = decision.events[0]
     assert isinstance(rejected, TaskRejected)
-    assert "admission control" in rejected.reason
+    assert "admission control" in rejected.reason and rejected.cause == "admission_control"
     assert rejected.input_digest == input_digest("orders", 1, {"order": 42})
     assert (rejected.submitter, rejected.reply_topic) == ("shop", "stepstream.status.shop")
     assert state is not None and state.status == "rejected" and state.is_terminal

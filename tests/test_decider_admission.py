@@ -56,7 +56,7 @@ def test_a_submission_missing_a_field_is_rejected_naming_it_and_dead_lettered() 
     decision, state = run(submit(data), None)
     event = rejection(decision)
     assert event.reason == "invalid input for 'loan' v1: amount: Field required"
-    assert decision.dead_letter == event.reason
+    assert decision.dead_letter == event.reason and event.cause == "invalid_input"
     assert (event.submitter, event.reply_topic) == ("bank", "stepstream.status.bank")
     assert event.input_digest == input_digest("loan", 1, data)
     assert state is not None and state.status == "rejected" and state.rejection == event.reason
@@ -86,7 +86,7 @@ def test_an_unknown_version_is_rejected_visibly_and_admitted_on_a_repeat_once_a_
     event = rejection(decision)
     assert event.reason == ("not run by this scheduler: workflow 'loan' has no version 2 "
                             "(this scheduler runs 'loan' v1)")
-    assert decision.dead_letter == event.reason and event.workflow_version == 2
+    assert decision.dead_letter == event.reason and event.workflow_version == 2 and event.cause == "unknown_version"
     again, state = run(submit(VALID, version=2), state)  # still unknown: rejected again, visibly
     assert rejection(again).sequence == 2
     admitted, state = run(submit(VALID, version=2), state, registry=BOTH)

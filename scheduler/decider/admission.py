@@ -21,7 +21,7 @@ from scheduler.decider.forward import start_attempt
 from scheduler.decider.ids import input_digest
 from scheduler.decider.state import TaskState
 from scheduler.workflow import WorkflowNotFoundError, WorkflowRegistry
-from schemas.messages import OperatorAlert, SubmitTask, TaskAccepted, TaskRejected
+from schemas.messages import OperatorAlert, RejectionCause, SubmitTask, TaskAccepted, TaskRejected
 from schemas.states import TaskStatus
 
 DEFAULT_MAX_IN_FLIGHT = 2_000
@@ -57,17 +57,17 @@ def admit(command: SubmitTask, registry: WorkflowRegistry, now: datetime, in_fli
         workflow = registry.get(command.workflow, version)
     except WorkflowNotFoundError as exc:
         return _refuse(command, rejected, now, version or 1, f"not run by this scheduler: {exc}"
-                       f"{_running(registry, command.workflow)}", dead_letter=True)
+                       f"{_running(registry, command.workflow)}", "unknown_version")
     errors = workflow.input_errors(command.input, sealed=True)
     if errors:
         reason = f"invalid input for {workflow.name!r} v{workflow.version}: " + "; ".join(
             f"{where or 'input'}: {message}" for where, message in errors)
         if rejected is not None and rejected.rejection == reason:
             return Decision(())  # the same data can never pass: refused already, it stays so
-        return _refuse(command, rejected, now, workflow.version, reason, dead_letter=True)
+        return _refuse(command, rejected, now, workflow.version, reason, "invalid_input")
     if in_flight >= limits.max_in_flight:
         reason = f"admission control: {in_flight} tasks in flight, the limit is {limits.max_in_flight}"
-        return _refuse(command, rejected, now, workflow.version, reason, dead_letter=False)
+        return _refuse(command, rejected, now, workflow.version, reason, "admission_control")
     builder = _builder(command, rejected, now, workflow.version)
     builder.emit(TaskAccepted, input=command.input, retention_s=workflow.sensitive_retention_s,
                  **_submission(command, workflow.version))
@@ -76,12 +76,12 @@ def admit(command: SubmitTask, registry: WorkflowRegistry, now: datetime, in_fli
 
 
 def _refuse(command: SubmitTask, rejected: TaskState | None, now: datetime, version: int, reason: str,
-            dead_letter: bool) -> Decision:
+            cause: RejectionCause) -> Decision:
     """``TaskRejected`` (the store and the submitter's reply topic say why); a submission that is wrong in
-    itself, not merely early, goes to the DLQ too."""
+    itself, not merely early for a full system, goes to the DLQ too."""
     builder = _builder(command, rejected, now, version)
-    builder.emit(TaskRejected, reason=reason, **_submission(command, version))
-    return builder.decision(dead_letter=reason if dead_letter else None)
+    builder.emit(TaskRejected, reason=reason, cause=cause, **_submission(command, version))
+    return builder.decision(dead_letter=None if cause == "admission_control" else reason)
 
 
 def _builder(command: SubmitTask, rejected: TaskState | None, now: datetime, version: int) -> Builder:

@@ -80,6 +80,10 @@ def test_a_missing_field_an_unknown_workflow_and_an_unknown_version_are_rejected
     assert refused.returncode == 5, refused.stdout + refused.stderr
     assert "task behind was rejected: invalid input for 'orders-typed' v1: sku: Field required" in refused.stderr
     assert "amount: Field required" in refused.stderr and called(system, "behind") == []
+    again = cli(system, "LENIENT", "submit", "orders-typed", "--input", '{"order_id": "x"}', "--task-id", "behind",
+                "--wait", "--timeout", "60")
+    assert again.returncode == 5 and again.stderr == refused.stderr, "a repeat changes nothing: the same answer"
+    assert (system.task("behind") or {}).get("sequence") == 1
     # A version no running scheduler runs is refused before anything is produced.
     ahead = cli(system, "ROLLED_OUT", "submit", "orders", "--version", "3", "--input", order("y"),
                 "--task-id", "ahead")

@@ -242,7 +242,7 @@ class Client:
             if task is not None:
                 self._raise_if_contradicted(task_id)
             if task is not None and task["status"] == TaskStatus.REJECTED and \
-                    task["sequence"] <= self._seen_at_submit.get(task_id, -1):
+                    task["sequence"] <= self._seen_at_submit.get(task_id, -1) and not self._refused_for_good(task_id):
                 task = None  # the rejection of an earlier submission: this one is not decided yet
             if task is not None and task["status"] in TERMINAL:
                 if task["status"] == TaskStatus.REJECTED:
@@ -252,6 +252,15 @@ class Client:
                 state = task["status"] if task else "not seen yet"
                 raise TaskWaitTimeout(f"task {task_id} not finished after {timeout_s}s ({state})")
             time.sleep(poll_s)
+
+    def _refused_for_good(self, task_id: str) -> bool:
+        """Whether the task's rejection is for an input its version refuses: the scheduler answers a repeat of
+        it with nothing new (it can never pass), so the earlier rejection is this submission's answer too."""
+        if self._store is None:
+            return False
+        causes = [orjson.loads(e["body"]).get("cause") for e in self._store.history(task_id)
+                  if e["event_type"] == "TaskRejected"]
+        return bool(causes) and causes[-1] == "invalid_input"
 
     def _raise_if_contradicted(self, task_id: str) -> None:
         """The scheduler's alert caused by this client's submission: the store did not know the task when it

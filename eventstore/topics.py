@@ -75,6 +75,16 @@ class TopicLayout:
         return f"{self.prefix}scheduler-state"
 
     @property
+    def workflows(self) -> str:
+        """The workflow versions each running scheduler accepts, one record per scheduler (``scheduler.offers``)."""
+        return f"{self.prefix}workflows"
+
+    def workflows_spec(self) -> TopicSpec:
+        """One partition, compacted: read whole by every submitter, a few records long."""
+        return TopicSpec(self.workflows, 1, {"cleanup.policy": "compact", "min.compaction.lag.ms": "0",
+                                             "delete.retention.ms": str(24 * 3600 * 1000)})
+
+    @property
     def supervisor_lease(self) -> str:
         return f"{self.prefix}supervisor-lease"
 
@@ -101,6 +111,7 @@ class TopicLayout:
             self.keys_spec(),
             self.scheduler_state_spec(),
             self.dependencies_spec(),
+            self.workflows_spec(),
         ]
 
     def keys_spec(self, segment_ms: int | None = None) -> TopicSpec:

@@ -56,6 +56,7 @@ from eventstore.runtime import ConsumerRuntime, Record
 from eventstore.settings import ConsumerSettings, KafkaSettings
 from eventstore.topics import TopicLayout, TopicSpec, ensure_topics, partition_count
 from eventstore.tracing import attempt_span, headers_of, span_for
+from scheduler import offers
 from scheduler.changelog import CHECKPOINT_KEY, SavedTask, encode_checkpoint, encode_task
 from scheduler.decider import (
     Limits,
@@ -509,6 +510,12 @@ class Scheduler:
         for agent in sorted(self.registry.agents):
             self._ensure_topic(TopicSpec(self.layout.agent(agent), self.layout.partitions))
 
+    def publish_offer(self, name: str) -> None:
+        """Say on ``workflows`` which versions this scheduler runs, before it takes a command
+        (``scheduler.offers``): submitters refuse a version none runs before producing it."""
+        self._ensure_topic(self.layout.workflows_spec())
+        offers.publish(self.bootstrap, self.layout.workflows, offers.offer_of(self.registry, name, datetime.now(UTC)))
+
     def _ensure_topic(self, spec: TopicSpec) -> None:
         """Agent topics are made at start, a status topic before a command that may answer on it produces
         anything: a missing topic would fail the batch."""
@@ -709,7 +716,9 @@ def build_scheduler(kafka: KafkaSettings, consumer: ConsumerSettings, registry: 
                           stop=stop_event)
     scheduler.create_agent_topics()
     threading.Thread(target=scheduler.timers.run, name="timers", daemon=True).start()
-    transactional_id = scheduler_transactional_id(layout, instance or uuid.uuid4().hex)
+    instance = instance or uuid.uuid4().hex
+    transactional_id = scheduler_transactional_id(layout, instance)
+    scheduler.publish_offer(instance)
 
     runtime = ConsumerRuntime(
         bootstrap=bootstrap,

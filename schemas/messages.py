@@ -67,6 +67,11 @@ class TaskAccepted(Event):
                                       "its data is erased that long after it completed or was compensated")
 
 
+RejectionCause = Literal["admission_control", "unknown_version", "invalid_input"]
+"""Why a submission was refused: the system was full (retry later), its workflow or version is not run by the
+scheduler (submit again once one runs it), or its input fails its version's model (never with this data)."""
+
+
 class TaskRejected(Event):
     """Admission control or validation refused a task; nothing of it runs.
 
@@ -75,6 +80,8 @@ class TaskRejected(Event):
     """
 
     reason: str
+    cause: RejectionCause | None = Field(default=None, description="None: written before causes were recorded, "
+                                         "when admission control was the only one")
     input_digest: str | None = None
     submitter: str | None = None
     reply_topic: str | None = None

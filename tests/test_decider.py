@@ -221,16 +221,6 @@ def test_a_task_runs_the_steps_of_its_pinned_version_while_a_newer_version_exist
     assert all(e.workflow_version == 1 for e in run(ok(state), state)[0].events)
 
 
-@pytest.mark.parametrize(("workflow", "version"), [("nope", None), ("orders", 7)])
-def test_a_submission_for_an_unknown_workflow_or_version_goes_to_the_dlq_without_events(
-    workflow: str, version: int | None
-) -> None:
-    decision, state = run(submit(workflow=workflow, version=version), None)
-    assert decision.events == ()
-    assert decision.dead_letter is not None and decision.dead_letter.startswith("unknown workflow")
-    assert state is None
-
-
 def test_admission_control_rejects_a_submission_at_the_in_flight_bound_visibly() -> None:
     command = submit(submitter="shop", reply_topic="stepstream.status.shop")
     decision, state = run(command, None, in_flight=5, limits=Limits(max_in_flight=5))
@@ -238,7 +228,7 @@ def test_admission_control_rejects_a_submission_at_the_in_flight_bound_visibly()
     assert decision.dead_letter is None
     rejected = decision.events[0]
     assert isinstance(rejected, TaskRejected)
-    assert "admission control" in rejected.reason
+    assert "admission control" in rejected.reason and rejected.cause == "admission_control"
     assert rejected.input_digest == input_digest("orders", 1, {"order": 42})
     assert (rejected.submitter, rejected.reply_topic) == ("shop", "stepstream.status.shop")
     assert state is not None and state.status == "rejected" and state.is_terminal

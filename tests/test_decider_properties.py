@@ -282,9 +282,14 @@ class DeciderMachine(RuleBasedStateMachine):
                 after.workflow, after.workflow_version)
         if decision.dead_letter is not None:
             contradiction = isinstance(command, SubmitTask) and before is not None
-            assert [type(e) for e in events] == ([OperatorAlert] if contradiction else [])
+            refused = isinstance(command, SubmitTask) and (before is None or before.status == "rejected")
+            # A contradiction alerts on the task; a submission wrong in itself is rejected, saying why.
+            assert [type(e) for e in events] in ([[OperatorAlert]] if contradiction else []) + (
+                [[TaskRejected]] if refused else []) + ([] if contradiction or refused else [[]])
+            if [type(e) for e in events] == [TaskRejected]:
+                assert after is not None and after.status == "rejected" and after.rejection == decision.dead_letter
         readmission = (before is not None and before.status == "rejected" and isinstance(command, SubmitTask)
-                       and decision.dead_letter is None)
+                       and bool(events) and not isinstance(events[0], OperatorAlert))
         if readmission:
             # A rejected submission repeated asks for admission again: rejected once more, or admitted.
             assert after is not None and [type(e) for e in events][:1] in ([TaskRejected], [TaskAccepted])
@@ -549,7 +554,7 @@ class DeciderMachine(RuleBasedStateMachine):
     @invariant()
     def budgets_and_thresholds_hold(self) -> None:
         for state in self.states.values():
-            if state is None:
+            if state is None or not state.steps:  # a rejection of a workflow nobody runs has none
                 continue
             workflow = REGISTRY.get(state.workflow, state.workflow_version)
             for step in state.steps:
@@ -594,7 +599,8 @@ class DeciderMachine(RuleBasedStateMachine):
         ``step_total_s`` of the step's first attempt (again from an operator's resubmit); deferrals included."""
         for task, history in self.histories.items():
             state = self.states[task]
-            total_s = REGISTRY.get(state.workflow, state.workflow_version).step_total_s if state else None
+            known = state is not None and bool(state.steps)  # a rejection of a workflow nobody runs has none
+            total_s = REGISTRY.get(state.workflow, state.workflow_version).step_total_s if state and known else None
             if total_s is None:
                 continue
             total = timedelta(seconds=total_s)

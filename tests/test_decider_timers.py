@@ -316,7 +316,8 @@ def test_an_undo_without_long_back_off_rounds_fails_at_its_threshold_as_before()
 def test_the_demos_orders_workflow_waits_out_a_one_minute_outage_without_failing_or_compensating() -> None:
     """Every attempt fails at once while the outage lasts (the worst case: only back-off spends time)."""
     registry = demo.REGISTRY
-    state, _ = decide_in(registry, None, SubmitTask(task_id="o", workflow="orders", input={}), NOW)
+    state, _ = decide_in(registry, None, SubmitTask(task_id="o", workflow="orders", input={
+        "order_id": "o", "sku": "A-1", "qty": 1, "amount": 10, "card_token": "tok_4242"}), NOW)
     outage_ends = NOW + timedelta(seconds=demo.OUTAGE_RIDDEN_S)
     now = NOW
     while not state.is_terminal:

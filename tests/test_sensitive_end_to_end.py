@@ -235,6 +235,9 @@ def test_an_erased_task_opens_nowhere_shows_erased_after_a_rebuild_and_cannot_be
     assert "task data erased: its input and outputs open nowhere" in refused.stdout
 
     assert wait_for(lambda: (system.task("forget-me") or {}).get("erased_at") is not None, timeout_s=30)
+    shown = system.cli("status", "forget-me")
+    assert shown.returncode == 0 and "data erased at" in shown.stdout, shown.stdout + shown.stderr
+    assert "erased" not in system.cli("status", "keep-me").stdout
     system.procs.terminate("projector")
     rebuilt = system.cli("projections", "rebuild", "--no-progress")
     assert rebuilt.returncode == 0, rebuilt.stderr

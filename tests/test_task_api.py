@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient
 from eventstore.topics import TopicLayout
 from projections.lag import LagReader
 from projections.store import SqliteStore
+from scheduler.workflow import WorkflowRegistry
 from schemas.codec import default_codec
 from schemas.messages import OperatorCommand, StatusUpdate, SubmitTask, TaskAccepted
 from schemas.states import TERMINAL
@@ -26,7 +27,7 @@ from stepstream.http.writer import TaskWriter
 from stepstream.http.writes import write_router
 from tests.kafka_helpers import read_all, read_to_end, wait_for
 from tests.system import System
-from tests.workflows import REGISTRY
+from tests.workflows import LENIENT, REGISTRY
 
 pytestmark = pytest.mark.kafka
 
@@ -38,7 +39,7 @@ ORDER = {"order_id": "o-1", "sku": "A-1", "qty": 1, "amount": 10}
 class Api:
     """The API process's parts, in this process: the app over the system's store, writing to its topics."""
 
-    def __init__(self, system: System, **settings: Any) -> None:
+    def __init__(self, system: System, registry: WorkflowRegistry = REGISTRY, **settings: Any) -> None:
         self.system = system
         self.settings = ApiSettings(tokens={"shop": "shop-secret", "ops": "ops-secret"}, retry_after_s=2,
                                     decision_timeout_s=20, admission_refresh_s=0.2, **settings)
@@ -48,7 +49,7 @@ class Api:
         admission = GlobalAdmission(self.store, lag, system.layout, self.settings.max_in_flight,
                                     self.settings.admission_refresh_s)
         self.writer = TaskWriter(bootstrap=system.bootstrap, layout=system.layout, store=self.store,
-                                 registry=REGISTRY, admission=admission, settings=self.settings)
+                                 registry=registry, admission=admission, settings=self.settings)
         self.http = TestClient(create_app(self.store, system.layout, lag, [write_router(self.writer, self.settings)]))
 
     def submit(self, task_id: str, data: dict[str, Any] | None = None, headers: dict[str, str] | None = None,
@@ -182,6 +183,19 @@ def test_invalid_submissions_get_422_naming_the_field_and_nothing_reaches_kafka(
     [error] = refused.json()["detail"]
     assert error["loc"] == ["body", *field.split(".")], error
     assert inbox(api) == []
+
+
+def test_an_input_the_scheduler_refuses_gets_422_with_its_reason_not_429(system: System) -> None:
+    system.start("projector", "scheduler")
+    behind = Api(system, registry=LENIENT)  # this API's workflows file is older than the scheduler's
+    try:
+        answer = behind.http.post("/api/tasks", headers=SHOP, json={
+            "workflow": "orders-typed", "version": 1, "input": {"order_id": "x"}, "task_id": "api-behind"})
+    finally:
+        behind.close()
+    assert answer.status_code == 422, answer.text
+    assert answer.json()["detail"].startswith("invalid input for 'orders-typed' v1: sku: Field required")
+    assert "Retry-After" not in answer.headers
 
 
 def test_the_openapi_of_a_submission_lists_each_workflow_and_its_input_fields(api: Api) -> None:

@@ -229,3 +229,11 @@ ORDERS_CARD = Workflow(name="orders-card", version=1,
 # The same, keeping a finished task's card data for 2 s only: then the supervisor erases it.
 ORDERS_CARD_BRIEF = replace(ORDERS_CARD, name="orders-card-brief", sensitive_retention_s=2.0)
 SENSITIVE_REGISTRY = WorkflowRegistry.of([ORDERS_V1, ORDERS_CARD, ORDERS_CARD_BRIEF])
+
+# ---- a rollout (tests/test_admission_end_to_end.py) ------------------------------------------------
+# Version 3 of orders reserves and ships, charging nothing: what a task ran under shows at the service. The
+# deployment runs REGISTRY, then ROLLED_OUT; a client may read either (ahead of its schedulers, or behind).
+ORDERS_V3 = Workflow(name="orders", version=3, steps=(ORDERS_V1.steps[0], ORDERS_V1.steps[2]), failure_threshold=3)
+ROLLED_OUT = WorkflowRegistry.of([*REGISTRY.workflows(), ORDERS_V3])
+# A client whose registry is behind the scheduler's: its orders-typed took any input.
+LENIENT = WorkflowRegistry.of([replace(ORDERS_TYPED, input_model=None)])

@@ -142,7 +142,8 @@ class TaskState:
     enough to tell a repeat from a contradiction, without storing payloads that were never admitted.
     ``erased``: the task's data key was deleted; its sealed values stay in the state as they are, opaque.
     ``current_step`` is the step with an attempt in progress, forward or compensating. ``commands`` are
-    the operator command ids already answered, so a repeated command changes nothing.
+    the operator command ids already answered, so a repeated command changes nothing. ``rejection``: why a
+    rejected task was refused, so a repeat refused for the same lasting reason (invalid input) changes nothing.
     """
 
     task_id: str
@@ -158,6 +159,7 @@ class TaskState:
     current_step: int | None
     commands: frozenset[str] = frozenset()
     erased: bool = False
+    rejection: str | None = None
 
     @property
     def is_terminal(self) -> bool:

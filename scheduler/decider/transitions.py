@@ -226,6 +226,7 @@ def _created(event: Event) -> TaskState:
         reply_topic=event.reply_topic,
         steps=(),
         current_step=None,
+        rejection=event.reason if isinstance(event, TaskRejected) else None,
     )
 
 
@@ -237,9 +238,9 @@ def _readmitted(state: TaskState, event: TaskAccepted | TaskRejected) -> TaskSta
         raise InvalidTransition(f"task {state.task_id!r} was rejected with input digest "
                                 f"{state.input_digest[:12]}: {type(event).__name__} names another submission")
     if isinstance(event, TaskRejected):
-        return replace(state, sequence=event.sequence)
+        return replace(state, sequence=event.sequence, rejection=event.reason)
     return replace(state, status=TaskStatus.ACCEPTED, sequence=event.sequence, input=event.input,
-                   submitter=event.submitter, reply_topic=event.reply_topic)
+                   submitter=event.submitter, reply_topic=event.reply_topic, rejection=None)
 
 
 def _step_started(state: TaskState, event: StepStarted) -> TaskState:

@@ -2,9 +2,10 @@
 and scripts.
 
 Exit codes scripts can rely on: 0 done (submitted, or completed with --wait), 2 invalid input (an unknown
-workflow or version included: nothing is produced), 3 no such task, 4 the task ended without completing, 5
-rejected by admission control, 6 refused as a contradiction (the task id exists with other data; the
-existing task is untouched), 124 --wait timed out.
+workflow or version included, or one no running scheduler runs: nothing is produced), 3 no such task, 4 the
+task ended without completing, 5 rejected by the scheduler (admission control, a workflow version it does
+not run, an input it refuses), 6 refused as a contradiction (the task id exists with other data; the existing
+task is untouched), 124 --wait timed out.
 
 ``stepstream tasks`` lists tasks from the state store, newest first (by creation): a table for people, or
 with ``--json`` one JSON object per line (the store's row, times in epoch milliseconds) and nothing else on
@@ -47,7 +48,8 @@ def add_parsers(commands: Any) -> None:
     submit = commands.add_parser(
         "submit", help="submit a task", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Submit a task. Exit codes: 0 submitted (with --wait: completed), 2 invalid input (unknown "
-                    "workflow or version included), 4 ended without completing, 5 rejected by admission control, "
+                    "workflow or version included), 4 ended without completing, 5 rejected by the scheduler (admission "
+                    "control, a version it does not run, an input it refuses), "
                     "6 refused as a contradiction, 124 --wait timed out, 69 no Kafka cluster answered.",
         epilog=_workflows_help())
     submit.add_argument("workflow")
@@ -55,6 +57,9 @@ def add_parsers(commands: Any) -> None:
     submit.add_argument("--task-id", default=None, help="idempotency key (default: a new id)")
     submit.add_argument("--version", type=int, default=None, help="workflow version (default: latest)")
     submit.add_argument("--submitter", default=None, help="name whose private reply topic gets progress")
+    submit.add_argument("--await-version", type=float, default=0.0, metavar="SECONDS",
+                        help="when no running scheduler runs the workflow version yet (a rollout under way), wait "
+                             "this long for one to start instead of refusing at once")
     submit.add_argument("--wait", action="store_true", help="wait until the task ends")
     submit.add_argument("--timeout", type=float, default=120.0, help="seconds --wait waits")
     submit.add_argument("--json", action="store_true", help="machine-readable output")
@@ -137,6 +142,9 @@ def _print(task: dict[str, Any], as_json: bool) -> None:
         return
     print(f"{task['task_id']}: {task['status']} ({task['workflow']} v{task['workflow_version']})"
           + (f" — {task['error']}" if task.get("error") else ""))
+    if task.get("erased_at") is not None:
+        print(f"  data erased at {_iso(task['erased_at'])} by {task.get('erased_by') or 'an operator'}: "
+              "its data key is deleted, its sensitive values open nowhere")
     unattended = {entry["step"]: entry["reason"] for entry in task.get("unattended") or []}
     for step in task.get("steps", []):
         notes = [note for note in (step.get("error"), unattended.get(step["step"])) if note]
@@ -167,9 +175,14 @@ def _submit(args: argparse.Namespace) -> int:
     try:
         data = _read_input(args.input)
         with Client(submitter=args.submitter) as client:
-            task_id = client.submit(args.workflow, data, version=args.version, task_id=args.task_id)
-            if not args.wait:
-                print(orjson.dumps({"task_id": task_id}).decode() if args.json else f"submitted {task_id}")
+            task_id = client.submit(args.workflow, data, version=args.version, task_id=args.task_id,
+                                    await_version_s=args.await_version)
+            if not args.wait:  # (with --wait, the task's line names the version it ran under)
+                pinned = client.pinned_versions(args.workflow, args.version)
+                said = f"{args.workflow} v{' or v'.join(map(str, pinned))}" + (
+                    "" if args.version is not None else ", the latest")
+                print(orjson.dumps({"task_id": task_id, "workflow_version": pinned[0] if len(pinned) == 1
+                                    else None}).decode() if args.json else f"submitted {task_id} ({said})")
                 return 0
             task = client.wait(task_id, timeout_s=args.timeout)
     except InvalidSubmission as exc:

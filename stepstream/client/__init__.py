@@ -4,7 +4,9 @@ A submission is validated before anything is produced, so a bad input raises an 
 and writes nothing: that includes a workflow or version the scheduler does not run (checked against the
 registry the project file or ``STEPSTREAM_SCHEDULER_WORKFLOWS`` names, as the scheduler and the HTTP API do), which the
 scheduler would otherwise dead-letter while the submitter waited for an answer that never comes, and an
-input its workflow's input model refuses.
+input its workflow's input model refuses. The versions the running schedulers accept are read from what
+they publish (``scheduler.offers``): a version none of them runs is refused before producing too, or waited
+for (``await_version_s``), and ``pinned_versions`` says which version a submission naming none will get.
 
 Task ids are the idempotency key of the whole system: submitting the same task again (a retry after a
 timeout, a crash between a database write and the submit) runs it once.
@@ -40,6 +42,7 @@ from eventstore.topics import TopicLayout, TopicSpec, ensure_topics
 from projections.settings import StoreSettings
 from projections.store import SqliteStore, Store
 from scheduler.decider import input_digest
+from scheduler.offers import Offers
 from scheduler.sealing import SubmissionSealer
 from scheduler.settings import SchedulerSettings
 from scheduler.workflow import WorkflowNotFoundError, WorkflowRegistry
@@ -63,7 +66,9 @@ class InvalidSubmission(StepstreamError, ValueError):
 
 
 class SubmissionRejected(StepstreamError):
-    """Admission control refused the task (the system is at its in-flight bound). Retry later."""
+    """The scheduler refused the task, saying why: admission control (the system is at its in-flight bound:
+    retry later), a workflow or version it does not run (submit again once one that runs it has started), or
+    an input its version's model refuses."""
 
 
 class SubmissionContradicts(StepstreamError):
@@ -76,6 +81,11 @@ class AccessDenied(StepstreamError, PermissionError):
 
 
 _DENIED = frozenset({KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError.GROUP_AUTHORIZATION_FAILED})
+
+
+OFFERS_MAX_AGE_S = 5.0
+"""How long a read of what the schedulers publish stands: a rollout is seen within seconds, and a burst of
+submissions reads the topic once."""
 
 
 class TaskWaitTimeout(StepstreamError, TimeoutError):
@@ -140,6 +150,7 @@ class Client:
         # retry is not the answer to the retry (a rejected task submitted again asks for admission again).
         self._seen_at_submit: dict[str, int] = {}
         self._message_ids: dict[str, str] = {}  # per task submitted here, the id of the last submission
+        self._offers: tuple[float, Offers] | None = None  # when read (monotonic), what the schedulers publish
         if submitter is not None:
             if not submitter.replace("-", "").replace("_", "").isalnum():
                 raise InvalidSubmission("submitter", "letters, digits, '-' and '_' only")
@@ -161,9 +172,14 @@ class Client:
             raise InvalidSubmission("submitter", "a reply topic needs a submitter name")
         return self.layout.status(self.submitter)
 
-    def submit(self, workflow: str, input: Any, *, version: int | None = None, task_id: str | None = None) -> str:
-        """Produce a submission and wait until Kafka has it (acks=all). Returns the task id."""
+    def submit(self, workflow: str, input: Any, *, version: int | None = None, task_id: str | None = None,
+               await_version_s: float = 0.0) -> str:
+        """Produce a submission and wait until Kafka has it (acks=all). Returns the task id.
+
+        A workflow or version no running scheduler accepts raises InvalidSubmission, after waiting up to
+        ``await_version_s`` for a scheduler that runs it to start (a rollout under way)."""
         check_submission(self.registry, workflow, version, input)
+        self._check_offered(workflow, version, await_version_s)
         command = build_submission(workflow, input, version=version, task_id=task_id, submitter=self.submitter,
                                    reply_topic=self.reply_topic if self.submitter else None)
         known = self.status(command.task_id) if task_id is not None else None
@@ -177,6 +193,29 @@ class Client:
         self._producer.send(self.layout.inbox, self.sealing.ready([command])[0])
         self._producer.flush()
         return command.task_id
+
+    def offers(self, max_age_s: float = OFFERS_MAX_AGE_S) -> Offers:
+        """What the running schedulers publish they accept, as read at most ``max_age_s`` ago."""
+        if self._offers is None or time.monotonic() - self._offers[0] > max_age_s:
+            self._offers = (time.monotonic(), Offers.read(self.bootstrap, self.layout.workflows))
+        return self._offers[1]
+
+    def pinned_versions(self, workflow: str, version: int | None) -> list[int]:
+        """The version a submission will run under: the one it names, else the latest of the scheduler that
+        takes it (two during a rollout); the local registry's latest when no scheduler published."""
+        if version is not None:
+            return [version]
+        offers = self.offers()
+        return offers.latest(workflow) if offers.known else [self.registry.get(workflow).version]
+
+    def _check_offered(self, workflow: str, version: int | None, await_s: float) -> None:
+        deadline = time.monotonic() + await_s
+        refusal = self.offers().refusal(workflow, version)
+        while refusal is not None and time.monotonic() < deadline:
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+            refusal = self.offers(max_age_s=0).refusal(workflow, version)
+        if refusal is not None:
+            raise InvalidSubmission("version" if self.offers().versions(workflow) else "workflow", refusal)
 
     def send_command(self, task_id: str, action: OperatorAction, *, step: str | None = None,
                      command_id: str | None = None, operator: str | None = None) -> OperatorCommand:
@@ -212,7 +251,7 @@ class Client:
             if task is not None:
                 self._raise_if_contradicted(task_id)
             if task is not None and task["status"] == TaskStatus.REJECTED and \
-                    task["sequence"] <= self._seen_at_submit.get(task_id, -1):
+                    task["sequence"] <= self._seen_at_submit.get(task_id, -1) and not self._refused_for_good(task_id):
                 task = None  # the rejection of an earlier submission: this one is not decided yet
             if task is not None and task["status"] in TERMINAL:
                 if task["status"] == TaskStatus.REJECTED:
@@ -222,6 +261,15 @@ class Client:
                 state = task["status"] if task else "not seen yet"
                 raise TaskWaitTimeout(f"task {task_id} not finished after {timeout_s}s ({state})")
             time.sleep(poll_s)
+
+    def _refused_for_good(self, task_id: str) -> bool:
+        """Whether the task's rejection is for an input its version refuses: the scheduler answers a repeat of
+        it with nothing new (it can never pass), so the earlier rejection is this submission's answer too."""
+        if self._store is None:
+            return False
+        causes = [orjson.loads(e["body"]).get("cause") for e in self._store.history(task_id)
+                  if e["event_type"] == "TaskRejected"]
+        return bool(causes) and causes[-1] == "invalid_input"
 
     def _raise_if_contradicted(self, task_id: str) -> None:
         """The scheduler's alert caused by this client's submission: the store did not know the task when it

@@ -4,12 +4,13 @@ the scheduler's decision.
 The scheduler, not this API, decides whether a task is admitted: a submission is produced on ``inbox``
 and the API waits (``STEPSTREAM_API_DECISION_TIMEOUT_S``) for the scheduler's first event caused by it,
 read from ``events``. So the answer is the system's own: 201 admitted, 429 refused by admission control
-(``Retry-After``), 409 a contradiction of an existing task. What the API can tell on its own it answers
-without producing anything: 401 without a valid token, 422 for an invalid submission (the field named),
-200 for a repeat of a known submission, 409 for the same task id with other data, 429 when the global
-in-flight estimate (non-terminal tasks in the state store plus the scheduler's backlog on ``inbox``) is at
-its bound. When the scheduler does not answer in time the submission is on the log anyway: 202, and
-``GET /api/tasks/{id}`` follows it.
+(``Retry-After``), 422 refused by the scheduler for a version it does not run or an input it refuses (the
+API's workflows file differs from the scheduler's), 409 a contradiction of an existing task. What the API
+can tell on its own it answers without producing anything: 401 without a valid token, 422 for an invalid
+submission (the field named), 200 for a repeat of a known submission, 409 for the same task id with other
+data, 429 when the global in-flight estimate (non-terminal tasks in the state store plus the scheduler's
+backlog on ``inbox``) is at its bound. When the scheduler does not answer in time the submission is on the
+log anyway: 202, and ``GET /api/tasks/{id}`` follows it.
 """
 
 from __future__ import annotations
@@ -156,8 +157,10 @@ class TaskWriter:
             case TaskAccepted():
                 return Answer(201, self._task_body(command.task_id, TaskStatus.ACCEPTED, waiter.event.workflow,
                                                    waiter.event.workflow_version), self._location(command.task_id))
-            case TaskRejected(reason=reason):
+            case TaskRejected(reason=reason, cause=cause):
                 self.admission.release(command.task_id)
+                if cause in ("unknown_version", "invalid_input"):  # this API's registry is not the scheduler's
+                    return Answer(422, {"task_id": command.task_id, "detail": reason})
                 return self._too_busy(command.task_id, reason)
             case OperatorAlert(reason=reason):
                 self.admission.release(command.task_id)

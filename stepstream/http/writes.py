@@ -43,7 +43,9 @@ def write_router(writer: TaskWriter | None, settings: ApiSettings) -> APIRouter:
         429: {"description": "admission control refused the task: retry after Retry-After, same task id"},
         **unavailable,
     }, description="Submit a task; the answer is the scheduler's decision (or 202 if it takes longer). "
-                   "A 422 names the field at fault (`input.amount`). Workflows and their `input`:\n\n" + "\n".join(
+                   "A 422 names the field at fault (`input.amount`); one the scheduler decided "
+                   "(a version it does not run, an input it refuses) has the reason as `detail`. "
+                   "Workflows and their `input`:\n\n" + "\n".join(
                        f"- {line}" for line in (writer.registry.describe_inputs() if writer else [])))
     def submit_task(request: SubmissionRequest, who: Annotated[str, Depends(token_holder)]) -> JSONResponse:
         """Submit a task; the answer is the scheduler's decision (or 202 if it takes longer)."""

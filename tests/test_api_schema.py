@@ -22,6 +22,7 @@ from projections.lag import LagReader
 from projections.store import Positioned, SqliteStore
 from stepstream.http.admission import GlobalAdmission
 from stepstream.http.app import create_app
+from stepstream.http.dependencies import DependencyBoard
 from stepstream.http.settings import ApiSettings
 from stepstream.http.writer import TaskWriter
 from stepstream.http.writes import write_router
@@ -49,11 +50,13 @@ def api_schema(system: System, tmp_path: Path) -> Iterator[schemathesis.Schema]:
     admission = GlobalAdmission(live, lag, system.layout, api_settings.max_in_flight)
     writer = TaskWriter(bootstrap=system.bootstrap, layout=system.layout, store=live, registry=REGISTRY,
                         admission=admission, settings=api_settings)
+    board = DependencyBoard(system.bootstrap, system.layout.dependencies)  # as `serve api` follows the reports
     app = create_app(seeded, system.layout, lag, [write_router(writer, api_settings)],
-                     Presence.of(REGISTRY, system.bootstrap, system.layout))
+                     Presence.of(REGISTRY, system.bootstrap, system.layout), board)
     try:
         yield schemathesis.openapi.from_asgi("/openapi.json", app)
     finally:
+        board.close()
         writer.close()
         live.close()
         seeded.close()

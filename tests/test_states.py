@@ -50,6 +50,6 @@ def test_a_reply_topic_update_names_a_task_status_or_a_step_outcome() -> None:
 
 
 def test_the_stores_step_status_conditions_are_the_partial_indexes_word_for_word() -> None:
-    migrations = "".join(sql for _version, sql in MIGRATIONS)
+    migrations = "".join(sql if isinstance(sql, str) else "".join(sql.values()) for _version, sql in MIGRATIONS)
     assert f"where {_IN_PROGRESS};" in migrations
     assert f"where {_FAILED};" in migrations

@@ -633,11 +633,6 @@ class Scheduler:
                 self._events_end.pop(tp.partition, None)
                 for key in [key for key in self._batch if key[0] == tp.partition]:
                     del self._batch[key]  # a restore of the partition, not the batch, is its truth from now on
-            if not self._proposals and self._strays is not None:
-                # No partition owned (a stop, or all revoked): the follower of the whole topic closes with the
-                # last one; the next miss makes a new one, reading from the beginning again.
-                self._strays.close()
-                self._strays = None
 
     def committed(self) -> None:
         """The open transaction committed: the states of its tasks are the log's and the changelog's now, its

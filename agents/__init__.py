@@ -6,6 +6,7 @@
 dependency), ``pace`` (how many calls a throttling dependency gets at once), ``dependencies`` (their shared
 per-process state, and per-dependency counts and logs), ``policy`` (the central, hot-reloaded
 configuration), ``http`` (a handler that sends a request to a service), ``sealed_inputs`` (opening a
-request's sealed values for the step granted them) and ``redaction`` (masking those values in whatever
-leaves the agent). A project declares its agents in ``stepstream.toml``.
+request's sealed values for the step granted them), ``redaction`` (masking those values in whatever
+leaves the agent) and ``reporting`` (each process's report on its dependencies, for the console). A project
+declares its agents in ``stepstream.toml``.
 """

@@ -14,14 +14,16 @@ trip on failures from an hour ago):
 - ``half_open``: after the cool-down, up to ``probes`` trial calls pass; if they all succeed the breaker
   closes (with an empty window), if any fails it opens again for another cool-down.
 
-Only transient failures count: a 4xx means the service is up and answering. The open -> half-open move
-happens lazily, when the next caller asks; there is no timer thread. Thread-safe; the clock is injected
-so the state machine is testable without sleeping.
+What counts as a failure is the caller's choice: the policy's ``breaker_records`` (:mod:`agents.policy`)
+names the faults of a service that is down (timeouts, refused connections, 5xx); a throttle is the
+service pacing us and a 4xx is an answer, so neither opens it. The open -> half-open move happens
+lazily, when the next caller asks; there is no timer thread. Thread-safe; the clock is injected so the
+state machine is testable without sleeping.
 
 The defaults (20 failures and half the calls within a minute) are deliberately conservative, like
-Polly's and resilience4j's minimum-throughput defaults: an open breaker fails every attempt at once, and
-the scheduler starts the next attempt straight away, so a breaker that trips on a short blip would
-spend a step's failure threshold in milliseconds. Tighten it per dependency in the policy.
+Polly's and resilience4j's minimum-throughput defaults: an open breaker refuses every call to the
+dependency, for every task, so a breaker that trips on a short blip stalls them all for its cool-down.
+Tighten it per dependency in the policy.
 """
 
 from __future__ import annotations
@@ -146,7 +148,7 @@ class CircuitBreaker:
         self._fire(fired)
 
     def record_failure(self) -> None:
-        """The call failed transiently."""
+        """The call failed in a way the policy records (the service looks down)."""
         fired: list[tuple[BreakerState, BreakerState]] = []
         with self._lock:
             now = self._clock()

@@ -52,7 +52,14 @@ def outcome_of(fault: Fault | None) -> str:
         return "ok"
     if isinstance(fault, PermanentError):
         return "rejected"
-    return {"throttled": "throttled", "timeout": "timed_out"}.get(fault.kind, "failed")
+    return transient_outcome(fault.kind)
+
+
+def transient_outcome(kind: str | None) -> str:
+    """The word of :data:`OUTCOMES` for an end worth trying again, by its kind: a throttle, a timeout, or any
+    other failure. The agent's fault kinds and the scheduler's (``schemas.messages.ErrorKind``) spell these
+    two alike, so calls and attempts are counted in the same words."""
+    return {"throttled": "throttled", "timeout": "timed_out"}.get(kind or "", "failed")
 
 
 class Tally:

@@ -6,8 +6,8 @@ detail:
 
 - :class:`TransientError`: worth another call later -- timeouts, connection errors, 429 and 5xx (and
   408). It carries a *kind* (for logs, metrics and the breaker: throttling -- a 429, or any of these
-  carrying ``Retry-After`` -- is not a dead server) and optionally the
-  delay the service or the handler suggests (``Retry-After``), which takes precedence over back-off.
+  carrying ``Retry-After`` -- is not a dead server) and optionally the delay the service or the handler
+  suggests (``Retry-After``), which takes precedence over back-off.
 - :class:`PermanentError`: the service said no for good -- other 4xx, validation errors. Retrying
   would only repeat the refusal and spend the step's budget, so the step fails at once.
 

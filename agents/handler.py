@@ -99,9 +99,9 @@ class HandlerEnvironment:
             raise fault from exc
 
     def run_attempt(self, handler: Handler, task: Mapping[str, Any] | None = None, *,
-                steps: Mapping[str, Mapping[str, Any]] | None = None, undoes: bool = False,
-                withheld: Sequence[str] = (),
-                policy: PolicyProvider | AgentPolicy | DependencyPolicy | None = None) -> StepResult:
+                    steps: Mapping[str, Mapping[str, Any]] | None = None, undoes: bool = False,
+                    withheld: Sequence[str] = (),
+                    policy: PolicyProvider | AgentPolicy | DependencyPolicy | None = None) -> StepResult:
         """A whole attempt as the agent runs it: transient faults retried under ``policy`` (default: the agents'
         default) within ``calls_allowed`` calls, back-off not waited; the answer the scheduler would get."""
         agent = Agent(self.step, handler, policy, sleep=lambda _: False, now=self.now)

@@ -60,7 +60,6 @@ class PaceState:
 
     limit: float
     in_flight: int
-    throttles: int
     retry_after_left_s: float
 
 
@@ -74,7 +73,6 @@ class Pace:
         self._limit = self._config.initial_limit
         self._in_flight = 0
         self._last_cut = float("-inf")
-        self._throttles = 0
         self._retry_after_until = float("-inf")
 
     def configure(self, config: PacePolicy) -> None:
@@ -102,7 +100,6 @@ class Pace:
             cfg = self._config
             now = self._clock()
             if throttled:
-                self._throttles += 1
                 if retry_after_s is not None:
                     self._retry_after_until = max(self._retry_after_until, now + retry_after_s)
                 if started >= self._last_cut:
@@ -113,5 +110,5 @@ class Pace:
 
     def snapshot(self) -> PaceState:
         with self._lock:
-            return PaceState(limit=self._limit, in_flight=self._in_flight, throttles=self._throttles,
+            return PaceState(limit=self._limit, in_flight=self._in_flight,
                              retry_after_left_s=max(0.0, self._retry_after_until - self._clock()))

@@ -126,11 +126,12 @@ def quantile(buckets: dict[float, float], q: float) -> float | None:
     return lower
 
 
-def snapshot(first: tuple[float, Reading] | None, last: tuple[float, Reading], *, instance: str, interval_s: float,
+def snapshot(first: tuple[float, Reading], last: tuple[float, Reading], *, instance: str, interval_s: float,
              concurrency: int | None, now: datetime) -> DependencySnapshot:
-    """The report of one dependency from its oldest reading in the window (``first``) to its newest."""
+    """The report of one dependency from its oldest reading in the window (``first``) to its newest (``last``),
+    each with the clock reading it was taken at; over no time at all (the same moment), every rate is zero."""
+    began, oldest = first
     at, newest = last
-    began, oldest = first if first is not None else (at, Reading(newest.agent, newest.dependency))
     span = at - began
 
     def per_s(value: float) -> float:
@@ -186,8 +187,8 @@ class Reporter:
             # The baseline is the newest reading at least a window old (or the oldest one kept).
             while len(history) > 2 and now - history[1][0] >= self.window_s:
                 history.popleft()
-            shot = snapshot(history[0] if len(history) > 1 else None, history[-1], instance=self.instance,
-                            interval_s=self.interval_s, concurrency=self.concurrency, now=datetime.now(UTC))
+            shot = snapshot(history[0], history[-1], instance=self.instance, interval_s=self.interval_s,
+                            concurrency=self.concurrency, now=datetime.now(UTC))
             self._producer.produce(self.topic, key=shot.key.encode(), value=shot.encode())
             self._keys.add(shot.key)
             sent.append(shot)

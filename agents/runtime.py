@@ -35,7 +35,7 @@ from prometheus_client import Counter, Histogram
 
 from agents.breaker import BreakerState
 from agents.call import AgentHandler, Call
-from agents.dependencies import Dependency, DependencyRegistry, outcome_of
+from agents.dependencies import Dependency, DependencyRegistry, outcome_of, transient_outcome
 from agents.faults import (
     CircuitOpenError,
     Fault,
@@ -98,8 +98,10 @@ CALL_SECONDS = Histogram("stepstream_agent_call_seconds", "Time of one call to a
 QUEUE_WAIT_SECONDS = Histogram("stepstream_agent_queue_wait_seconds",
                                "Time a request waited for this agent to take it (attempt start to acceptance)",
                                ["agent"], buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300))
-STEP_SECONDS = Histogram("stepstream_agent_step_seconds", "Time to answer one attempt, retries and back-off included",
-                         ["agent", "dependency", "outcome"], buckets=_SECONDS)
+STEP_SECONDS = Histogram("stepstream_agent_step_seconds",
+                         "Time to answer one attempt, retries and back-off included, by how the answer ended: "
+                         "ok, throttled, failed, timed_out, rejected", ["agent", "dependency", "outcome"],
+                         buckets=_SECONDS)
 
 
 #: Waits ``seconds``; returns True if woken because the agent is stopping (``threading.Event.wait``).
@@ -201,11 +203,11 @@ class Agent:
                 return self._give_up(attempt, "circuit_open", str(refusal), refusal)
             fault, output = self._call(attempt, policy, dep, began)
             if fault is None:
-                return self._answer(attempt, True, "ok", output=output)
+                return self._answer(attempt, True, output=output)
             if isinstance(fault, PermanentError):
                 log.error("permanent failure", cause=fault.kind, call=attempt.calls, error=str(fault),
                           exc_info=fault if fault.kind == "unexpected" else False, **self._context(request))
-                return self._answer(attempt, False, "permanent", error=str(fault), permanent=True, kind="permanent")
+                return self._answer(attempt, False, error=str(fault), permanent=True, kind="permanent")
             stop = self._retry_or_stop(attempt, policy, dep, fault)
             if stop is not None:
                 return self._give_up(attempt, *stop)
@@ -329,12 +331,13 @@ class Agent:
         disguised = last is not None and (throttled or refused is None or refused.kind == "throttled")
         fault = last if disguised else refused
         kind = _ERROR_KIND[fault.kind] if fault is not None else None
-        return self._answer(attempt, False, "transient", error=error, kind=kind, retry_after_s=wait)
+        return self._answer(attempt, False, error=error, kind=kind, retry_after_s=wait)
 
-    def _answer(self, attempt: Attempt, ok: bool, outcome: str, *, output: dict[str, Any] | None = None,
+    def _answer(self, attempt: Attempt, ok: bool, *, output: dict[str, Any] | None = None,
                 error: str | None = None, permanent: bool = False, kind: ErrorKind | None = None,
                 retry_after_s: float | None = None) -> StepResult:
         request = attempt.request
+        outcome = "ok" if ok else "rejected" if permanent else transient_outcome(kind)
         STEP_SECONDS.labels(self.name, self.dependency, outcome).observe(self._monotonic() - attempt.started)
         return StepResult(task_id=request.task_id, step=request.step, attempt_id=request.attempt_id, ok=ok,
                           output=output, error=error, permanent=permanent, calls=attempt.calls, error_kind=kind,

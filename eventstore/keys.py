@@ -70,6 +70,12 @@ def proposal_record(task_id: str, reference: str) -> str:
     return f"{task_id}#{reference}"
 
 
+def proposal_task(record: str) -> str:
+    """The task a proposal's record key (:func:`proposal_record`) names: what comes before its last ``#`` (a task
+    id may hold one; a reference from :func:`new_reference` holds none)."""
+    return record.rpartition("#")[0]
+
+
 @dataclass
 class KeyRecords:
     """What a read of ``keys`` found: the last record of each task and of each proposal (None: tombstone)."""
@@ -295,7 +301,7 @@ class Proposals:
 
     def of_task(self, task_id: str) -> list[str]:
         """The records of ``task_id``'s proposals still here: a dead-lettered submission's, kept for its replay."""
-        return [record for record in self._pending if record.rpartition("#")[0] == task_id]
+        return [record for record in self._pending if proposal_task(record) == task_id]
 
     def close(self) -> None:
         self._follower.close()
@@ -348,7 +354,7 @@ class StrayProposals:
     def of_task(self, task_id: str) -> list[tuple[int, str]]:
         """Where the proposals of ``task_id`` found so far are (partition, record)."""
         return [(partition, record) for record, (partition, _wrapped) in self._found.items()
-                if record.rpartition("#")[0] == task_id]
+                if proposal_task(record) == task_id]
 
     def close(self) -> None:
         self._follower.close()

@@ -23,9 +23,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
-_KIND_OUTCOMES = {"throttled": "throttled", "timeout": "timed out", "permanent": "refused"}
+#: How an attempt ended, or that it has not (see the module docstring): the console colours its bar by it.
+Outcome = Literal["queued", "running", "succeeded", "undone", "timed out", "refused", "throttled", "deferred",
+                  "failed"]
+
+#: A failure the agent said more about, by the ``error_kind`` on the timer after it.
+_KIND_OUTCOMES: dict[str, Outcome] = {"throttled": "throttled", "timeout": "timed out", "permanent": "refused"}
 
 
 @dataclass
@@ -37,7 +42,7 @@ class Attempt:
     handed_at: int  # epoch ms: the scheduler handed it to its agent (queued from then)
     accepted_at: int | None = None  # its agent took it: the work began
     ended_at: int | None = None
-    outcome: str = "queued"
+    outcome: Outcome = "queued"
     error: str | None = None
     error_kind: str | None = None
     wait_until: int | None = None  # the timer after it: the next attempt starts no earlier
@@ -78,7 +83,8 @@ def attempts(history: Iterable[Mapping[str, Any]]) -> list[Attempt]:
             _end(current, at, "undone" if kind == "StepCompensated" else "succeeded", None)
             last_ended[(current.step, current.compensation)] = current
         elif kind in ("StepFailed", "StepCompensationFailed") and current is not None:
-            outcome = "timed out" if event.get("timed_out") else "refused" if event.get("permanent") else "failed"
+            outcome: Outcome = ("timed out" if event.get("timed_out") else "refused" if event.get("permanent")
+                                else "failed")
             _end(current, at, outcome, event.get("error"))
             last_ended[(current.step, current.compensation)] = current
         elif kind == "StepRetryScheduled":
@@ -91,7 +97,7 @@ def attempts(history: Iterable[Mapping[str, Any]]) -> list[Attempt]:
     return found
 
 
-def _end(attempt: Attempt, at: int, outcome: str, error: str | None) -> None:
+def _end(attempt: Attempt, at: int, outcome: Outcome, error: str | None) -> None:
     attempt.ended_at, attempt.outcome, attempt.error = at, outcome, error
 
 

@@ -15,8 +15,8 @@ sends every one of its records astray, and the log should say so once, with how 
 
 from __future__ import annotations
 
+import collections
 import time
-from collections import Counter as Tally
 from collections.abc import Callable
 
 import structlog
@@ -51,8 +51,8 @@ class MisplacedRecords:
     def __init__(self, every_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
         self._every_s = every_s
         self._clock = clock
-        self._batch: Tally[tuple[str, int, int]] = Tally()
-        self._unlogged: Tally[tuple[str, int, int]] = Tally()
+        self._batch: collections.Counter[tuple[str, int, int]] = collections.Counter()
+        self._unlogged: collections.Counter[tuple[str, int, int]] = collections.Counter()
         self._logged_at: float | None = None
 
     def add(self, topic: str, found_on: int, owner: int) -> None:

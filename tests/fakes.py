@@ -1,9 +1,13 @@
-"""Fake clocks for tests of clock-injected code (breaker, budget, pace, restarts, the agent's retry loop):
-time moves only when the test says so, so timing is proven without sleeping and without flakes."""
+"""Fakes for tests of pure logic. Clocks for clock-injected code (breaker, budget, pace, restarts, the agent's
+retry loop): time moves only when the test says so, so timing is proven without sleeping and without flakes.
+A recording output for a scheduler handling records without a broker: what it would have produced."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+
+from schemas.messages import Message
 
 EPOCH = datetime(2030, 1, 1, tzinfo=UTC)
 """The wall-clock instant a :class:`FakeTime` at 0 stands for."""
@@ -35,3 +39,20 @@ class FakeTime(FakeClock):
     def sleep(self, seconds: float) -> bool:
         self.now += seconds
         return False
+
+
+@dataclass
+class RecordingOutput:
+    """Stands for the scheduler's transactional producer: what a batch sent, as messages and as raw records."""
+
+    sent: list[tuple[str, Message]] = field(default_factory=list)
+    raw: list[tuple[str, str | bytes | None, bytes | None, list[tuple[str, bytes]], int | None]] = \
+        field(default_factory=list)
+
+    def send(self, topic: str, message: Message, *, key: str | None = None, partition: int | None = None,
+             headers: list[tuple[str, bytes]] | None = None) -> None:
+        self.sent.append((topic, message))
+
+    def send_raw(self, topic: str, key: str | bytes | None, value: bytes | None,
+                 headers: list[tuple[str, bytes]] | None = None, *, partition: int | None = None) -> None:
+        self.raw.append((topic, key, value, list(headers or []), partition))

@@ -196,6 +196,8 @@ def test_a_retry_after_longer_than_an_attempt_waits_ends_the_attempt_at_once_and
     assert time.monotonic() - started < 1.0
     assert result.error_kind == "throttled" and result.throttled and not result.deferred
     assert result.retry_after_s is not None and 2.9 < result.retry_after_s <= 3.6, "the wait asked, stretched"
+    assert metric("stepstream_agent_step_seconds_count", agent="inventory", dependency=worker.dependency,
+                  outcome="throttled") == 1, "the attempt is timed under the calls' word for how it ended"
 
 
 def test_a_permanent_refusal_is_answered_after_exactly_one_call_and_logged_as_an_error(
@@ -211,6 +213,8 @@ def test_a_permanent_refusal_is_answered_after_exactly_one_call_and_logged_as_an
     assert requests_at_service(admin, req.idempotency_key) == 1
     assert [e["log_level"] for e in logs if e["event"] == "permanent failure"] == ["error"]
     assert not [e for e in logs if e["log_level"] == "warning"]
+    assert metric("stepstream_agent_step_seconds_count", agent="inventory", dependency=worker.dependency,
+                  outcome="rejected") == 1
 
 
 @pytest.mark.parametrize(("calls_allowed", "max_retries"), [(1, 10), (3, 10), (4, 1), (2, 0)])

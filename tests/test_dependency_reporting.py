@@ -66,8 +66,8 @@ def test_a_snapshot_gives_rates_latency_and_attempts_in_flight_over_its_window()
     assert shot.in_use == 2.0, "40 s of attempts in 20 s: two at a time on average"
     assert shot.latency_p50_ms == 100.0 and shot.latency_p99_ms == 100.0
     assert (shot.breaker, shot.budget_remaining, shot.concurrency, shot.calls_total) == ("half_open", 0.5, 8, 44)
-    first = snapshot(None, (120.0, after), instance="h:1", interval_s=5, concurrency=None, now=NOW)
-    assert (first.calls_per_s, first.window_s, first.in_use) == (0.0, 0.0, 0.0), "one reading: no rate yet"
+    first = snapshot((120.0, after), (120.0, after), instance="h:1", interval_s=5, concurrency=None, now=NOW)
+    assert (first.calls_per_s, first.window_s, first.in_use) == (0.0, 0.0, 0.0), "one moment: no rate yet"
     assert DependencySnapshot.decode(shot.encode()) == shot
 
 

@@ -5,7 +5,6 @@ without a broker. ``tests/test_foreign_producers.py`` runs it against a real sys
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass, field
 
 from prometheus_client import REGISTRY as METRICS
 
@@ -16,7 +15,8 @@ from scheduler.decider import Limits
 from scheduler.placement import MOVED_FROM, MisplacedRecords, owner_elsewhere
 from scheduler.service import Scheduler
 from schemas.codec import default_codec
-from schemas.messages import Message, SubmitTask
+from schemas.messages import SubmitTask
+from tests.fakes import RecordingOutput
 from tests.workflows import REGISTRY
 
 PARTITIONS = 6
@@ -39,23 +39,6 @@ def test_a_task_on_its_own_partition_stays_and_one_placed_by_crc32_belongs_to_it
     assert owner_elsewhere(task, crc32_partition(task, PARTITIONS), PARTITIONS) == partition_of(task, PARTITIONS)
 
 
-@dataclass
-class Output:
-    """Stands for the transactional producer: what a handler sent, raw."""
-
-    raw: list[tuple[str, str | bytes | None, bytes | None, list[tuple[str, bytes]], int | None]] = \
-        field(default_factory=list)
-    sent: list[tuple[str, Message]] = field(default_factory=list)
-
-    def send(self, topic: str, message: Message, *, key: str | None = None, partition: int | None = None,
-             headers: list[tuple[str, bytes]] | None = None) -> None:
-        self.sent.append((topic, message))
-
-    def send_raw(self, topic: str, key: str | bytes | None, value: bytes | None,
-                 headers: list[tuple[str, bytes]] | None = None, *, partition: int | None = None) -> None:
-        self.raw.append((topic, key, value, list(headers or []), partition))
-
-
 def test_a_submission_on_a_partition_not_owning_its_task_is_moved_whole_and_nothing_is_decided_for_it() -> None:
     layout = TopicLayout(prefix="placement.", partitions=PARTITIONS)
     made = Scheduler(bootstrap="127.0.0.1:9", layout=layout, registry=REGISTRY, limits=Limits())
@@ -64,7 +47,7 @@ def test_a_submission_on_a_partition_not_owning_its_task_is_moved_whole_and_noth
                          input={"order_id": task, "sku": "A-1", "qty": 1, "amount": 10})
     value = default_codec().encode(command)
     landed, owner = crc32_partition(task, PARTITIONS), partition_of(task, PARTITIONS)
-    output = Output()
+    output = RecordingOutput()
     before = METRICS.get_sample_value("stepstream_scheduler_misplaced_records_total", {"topic": "inbox"}) or 0
 
     made.handle(Record(layout.inbox, landed, 17, task, command, [("traceparent", b"00-ab")], value),

@@ -9,7 +9,6 @@ reading the log again (no broker here: a restore would need one).
 from __future__ import annotations
 
 from contextlib import closing
-from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -38,6 +37,7 @@ from schemas.messages import (
 )
 from schemas.sealed import Keyring
 from schemas.states import FINAL
+from tests.fakes import RecordingOutput
 from tests.kafka_helpers import wait_for
 from tests.recorded import load, recordings
 from tests.system import System
@@ -106,17 +106,6 @@ def test_a_repeated_and_a_contradictory_submission_of_a_finished_task_are_told_a
 # ---- an aborted batch --------------------------------------------------------------------------------
 
 
-@dataclass
-class Output:
-    """Stands for the transactional producer: what a batch sent."""
-
-    sent: list[tuple[str, Message]] = field(default_factory=list)
-
-    def send(self, topic: str, message: Message, *, key: str | None = None, partition: int | None = None,
-             headers: list[tuple[str, bytes]] | None = None) -> None:
-        self.sent.append((topic, message))
-
-
 def scheduler(partitions: int = 1) -> Scheduler:
     """A scheduler of ``partitions`` inbox partitions: each record given to ``handle`` must be on the partition
     that owns its task (one elsewhere is moved, not decided)."""
@@ -129,8 +118,8 @@ def scheduler(partitions: int = 1) -> Scheduler:
     return made
 
 
-def handle(made: Scheduler, message: Message, partition: int = 0) -> Output:
-    output = Output()
+def handle(made: Scheduler, message: Message, partition: int = 0) -> RecordingOutput:
+    output = RecordingOutput()
     made.handle(Record("memory.inbox", partition, 0, message.task_id, message, []), output)  # type: ignore[arg-type]
     return output
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from agents.sealed_inputs import SealedInputs
-from eventstore.keys import DataKeys
+from eventstore.keys import DataKeys, Proposals, proposal_record, proposal_task
 from scheduler.decider import Limits, TaskState, decide
 from scheduler.sealing import EventSealer, SubmissionSealer, open_input, seal_input
 from scheduler.workflow import Step, Workflow, WorkflowRegistry
@@ -219,3 +219,11 @@ def test_a_compensation_of_a_marked_step_answers_every_field_sealed() -> None:
     event = StepCompensated(task_id="t1", sequence=9, workflow="pay", workflow_version=1, causation_id="c",
                             step="charge", attempt_id="t1:charge:undo:1", output=sealed, calls=1)
     assert EventSealer(REGISTRY, KEYRING).unseal(event, key).output == {"refunded": ["ref-9"], "status": "ok"}
+
+
+def test_a_tasks_kept_proposals_are_its_own_and_not_those_of_a_task_whose_id_starts_the_same() -> None:
+    assert proposal_task(proposal_record("loan#7", "ab12")) == "loan#7", "a task id may hold '#' itself"
+    kept = Proposals("127.0.0.1:9", "keys", 0, {}, {proposal_record("forget-me", "a"): "wrapped-a",
+                                                    proposal_record("forget-me-too", "b"): "wrapped-b",
+                                                    proposal_record("forget-me", "c"): None})
+    assert kept.of_task("forget-me") == [proposal_record("forget-me", "a")], "a tombstoned proposal is gone"

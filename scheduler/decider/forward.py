@@ -5,8 +5,8 @@ wait (the step's back-off, the agent's suggested delay) is a timer (``scheduler.
 attempt the agent refused without calling (open breaker, spent retry budget) is deferred by one, and is
 not a failed attempt; nor is a throttled one (the service asked to slow down): its calls are charged, its
 wait is the service's, but it does not count toward the failure threshold. No retry starts past the
-workflow's total time for a step (``step_total_s``): the step escalates instead,
-a deferral that would end past it included.
+workflow's total time for a step (``step_total_s``): the step escalates instead, a deferral that would end
+past it included.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Why that option: a service that just stopped leaves its closed connections in TIME-WAIT on its port for about
 a minute. A server binding with ``SO_REUSEADDR`` (uvicorn, and every common HTTP server) starts there at once;
-a probe binding without it is refused (``Address already in use``), which made ``up`` refuse to start again
-for a minute after it stopped. A port something still listens on is refused either way.
+a probe binding without it is refused (``Address already in use``), which would make ``up`` refuse to start
+again for a minute after it stopped. A port something still listens on is refused either way.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Everything a project file names, checked before ``stepstream up`` starts anything.
 
 Why before: a mistake found by a child process (a handler that does not import, a policy file that does not
-parse) used to show as a service crash-looping behind an "up" line, its reason only in that service's log
-file, while the broker and the other services had already started. ``preflight`` is pure of side effects
+parse) shows only as a service crash-looping behind an "up" line, its reason in that service's log file,
+while the broker and the other services have already started. ``preflight`` is pure of side effects
 on the system (it imports the project's modules, as the children would, and looks at files), collects every
 problem rather than the first, and says each in one line with its fix, so ``up`` can refuse at once.
 """

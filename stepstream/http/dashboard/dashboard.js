@@ -2,7 +2,8 @@
 // every few seconds (?refresh=SECONDS, default 3). No build step, no dependencies.
 //
 // The view is in the URL, so it can be shared: the task list's filters in the query (?state=compensated&q=order-1),
-// ?view=dlq for dead letters, and a task in the fragment (#task=ID). Data is only ever written with textContent.
+// ?view=dlq for dead letters, ?view=deps for the agents' dependencies, and a task in the fragment (#task=ID).
+// Data is only ever written with textContent.
 "use strict";
 
 const STATES = JSON.parse(document.body.dataset.taskStates);  // the server's list (schemas/states.py)

@@ -187,8 +187,8 @@ class DeadLetters:
         plan = [(entry, "already discarded" if entry.discarded is not None else
                  "already replayed: its copy went to its origin (discard that copy's dead letter, if it is one)"
                  if entry.replays else None) for entry in self._chosen(chosen)]
-        todo = [(i, entry) for i, (entry, skip) in enumerate(plan) if skip is None]
-        named, records = self._proposals([entry.letter for _i, entry in todo])
+        todo = [entry.letter for entry, skip in plan if skip is None]
+        named, records = self._proposals(todo)
         # Only a key still there is tombstoned: one taken or erased already has nothing left to shred.
         shredded = {where: record for where, record in named.items() if records.proposals.get(record) is not None}
         outcomes = [{**entry.letter.summary(), "discarded": skip is None and not dry_run,
@@ -197,21 +197,29 @@ class DeadLetters:
         if not todo or dry_run:
             return outcomes
         producer = Producer(producer_config(self.bootstrap))
+        failures: list[str] = []
+
+        def report(err: KafkaError | None, _msg: KafkaMessage) -> None:
+            if err is not None:
+                failures.append(str(err))
+
+        def sent(what: str) -> None:
+            """Every record produced so far delivered (a flush reports a failed one only to its callback)."""
+            if producer.flush(60) or failures:
+                raise DlqToolError(f"discard not done: {what} not delivered: {failures[0] if failures else 'timeout'}")
+
         for record in shredded.values():
             producer.produce(self.keys_topic, key=record, value=None, headers=[PROPOSED],
-                             partition=records.proposed_on[record])
-        if producer.flush(60):
-            raise DlqToolError("discard not done: the tombstones of the proposed data keys were not delivered")
+                             partition=records.proposed_on[record], on_delivery=report)
+        sent("the tombstones of the proposed data keys")
         now = datetime.now(UTC).isoformat(timespec="milliseconds")
-        for _i, entry in todo:
-            letter = entry.letter
+        for letter in todo:
             marker = [(HEADER_PREFIX + DISCARD_OF, f"{letter.partition}:{letter.offset}".encode()),
                       (HEADER_PREFIX + DISCARD_TIME, now.encode()),
                       (HEADER_PREFIX + DISCARD_SHREDDED, shredded.get((letter.partition, letter.offset), "").encode())]
-            producer.produce(self.topic, value=None, key=letter.key, headers=marker, partition=letter.partition)
-        if producer.flush(60):
-            raise DlqToolError("discard not recorded: the markers were not delivered (the data keys are gone; "
-                               "discard again to record it)")
+            producer.produce(self.topic, value=None, key=letter.key, headers=marker, partition=letter.partition,
+                             on_delivery=report)
+        sent("the markers (the data keys are gone: discard again to record it)")
         return outcomes
 
     def _proposals(self, letters: list[DeadLetter]) -> tuple[dict[tuple[int, int], str], KeyRecords]:

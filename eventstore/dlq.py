@@ -25,6 +25,11 @@ REPLAY_OF = "replay.of"
 REPLAY_TO = "replay.to"
 REPLAY_TIME = "replay.time"
 REPLAYED_FROM_HEADER = "stepstream.replayed.from"
+# Headers of a discard marker (under HEADER_PREFIX): the dead letter it discards, when, and the proposed data key
+# it tombstoned on ``keys`` (its record key; empty when it had none left to shred).
+DISCARD_OF = "discard.of"
+DISCARD_TIME = "discard.time"
+DISCARD_SHREDDED = "discard.shredded"
 
 
 class InvalidEntry(StepstreamError):
@@ -61,7 +66,7 @@ def read_dlq_headers(headers: list[tuple[str, bytes]] | None) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class DeadLetter:
-    """One record of the DLQ topic: a dead letter, or a replay marker (``replay_of`` set)."""
+    """One record of the DLQ topic: a dead letter, or a marker about one (``replay_of`` or ``discard_of`` set)."""
 
     partition: int
     offset: int
@@ -85,6 +90,16 @@ class DeadLetter:
     def replay_of(self) -> tuple[int, int] | None:
         of = self.info.get(REPLAY_OF)
         return parse_entry(of) if of else None
+
+    @property
+    def discard_of(self) -> tuple[int, int] | None:
+        of = self.info.get(DISCARD_OF)
+        return parse_entry(of) if of else None
+
+    @property
+    def is_marker(self) -> bool:
+        """A record about a dead letter (its replay or its discard), not a dead letter itself."""
+        return self.replay_of is not None or self.discard_of is not None
 
     @property
     def origin(self) -> tuple[str, int, int] | None:

@@ -82,6 +82,7 @@ class KeyRecords:
 
     tasks: dict[str, str | None] = field(default_factory=dict)
     proposals: dict[str, str | None] = field(default_factory=dict)
+    proposed_on: dict[str, int] = field(default_factory=dict)  # the partition of each proposal's last record
 
 
 def read_key_records(bootstrap: str, topic: str, starts: dict[int, int], partitions: Iterable[int] | None = None
@@ -98,6 +99,8 @@ def read_key_records(bootstrap: str, topic: str, starts: dict[int, int], partiti
             continue
         into = found.proposals if PROPOSED in headers else found.tasks
         into[key.decode()] = None if value is None else value.decode()
+        if PROPOSED in headers:
+            found.proposed_on[key.decode()] = msg.partition()
     return found
 
 

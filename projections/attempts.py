@@ -8,14 +8,14 @@ what the events say about it:
 * ``succeeded`` (``undone`` for a compensation): its agent reported success;
 * ``timed out``: its deadline passed (``StepFailed.timed_out``), or its agent said its call timed out;
 * ``refused``: a permanent failure (``permanent``: the service refused it for good, never retried);
-* ``throttled``: the service asked us to slow down: the timer written after it says ``error_kind`` throttled;
-* ``deferred``: it made no call, ended by a timer (an open breaker or a spent retry budget);
+* ``throttled``: the service asked us to slow down (``error_kind`` throttled);
+* ``deferred``: it made no call (an open breaker or a spent retry budget), ended by a timer, or by giving up;
 * ``failed``: any other failure (a server error, a lost connection);
 * ``queued`` or ``running``: not ended yet.
 
-A failure's ``error_kind`` is on the timer the scheduler writes after it, not on the failure event itself, so a
-failure that needed no timer (the last one before escalation) is classified by ``timed_out`` and ``permanent``
-only: ``failed`` then covers a throttled last attempt too.
+A failure event says its agent's ``error_kind`` itself. Events written before it did say it only on the timer the
+scheduler wrote after them, so such a failure is classified from that timer when there is one; the last one before
+escalation (no timer followed) reads ``failed`` then, even when it was throttled.
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ from typing import Any, Literal
 Outcome = Literal["queued", "running", "succeeded", "undone", "timed out", "refused", "throttled", "deferred",
                   "failed"]
 
-#: A failure the agent said more about, by the ``error_kind`` on the timer after it.
-_KIND_OUTCOMES: dict[str, Outcome] = {"throttled": "throttled", "timeout": "timed out", "permanent": "refused"}
+#: A failure the agent said more about, by its ``error_kind`` (on the failure, or on the timer after it).
+_KIND_OUTCOMES: dict[str, Outcome] = {"throttled": "throttled", "timeout": "timed out", "permanent": "refused",
+                                      "breaker_open": "deferred", "budget_spent": "deferred"}
 
 
 @dataclass
@@ -83,9 +84,11 @@ def attempts(history: Iterable[Mapping[str, Any]]) -> list[Attempt]:
             _end(current, at, "undone" if kind == "StepCompensated" else "succeeded", None)
             last_ended[(current.step, current.compensation)] = current
         elif kind in ("StepFailed", "StepCompensationFailed") and current is not None:
+            error_kind = event.get("error_kind")
             outcome: Outcome = ("timed out" if event.get("timed_out") else "refused" if event.get("permanent")
-                                else "failed")
+                                else _KIND_OUTCOMES.get(error_kind or "", "failed"))
             _end(current, at, outcome, event.get("error"))
+            current.error_kind = error_kind
             last_ended[(current.step, current.compensation)] = current
         elif kind == "StepRetryScheduled":
             _timer(event, at, current, last_ended)
@@ -117,6 +120,6 @@ def _timer(event: Mapping[str, Any], at: int, deferred: Attempt | None,
         target = found
         if target.outcome == "failed" and kind in _KIND_OUTCOMES:
             target.outcome = _KIND_OUTCOMES[kind]
-    target.error_kind = kind
+    target.error_kind = target.error_kind or kind
     target.wait_until = _ms(event["not_before"])
     target.wait_reason = event["reason"]

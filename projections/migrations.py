@@ -188,6 +188,11 @@ MIGRATIONS: tuple[tuple[int, Script], ...] = (
             create index tasks_by_submitter_created on tasks (submitter, created_at, task_id);
             create index tasks_by_id_code_points on tasks (task_id collate "C");
         """}),
+    (9, """
+        -- a dead letter an operator discarded (never to be replayed), and the proposed data key it shredded
+        alter table dlq_entries add column discarded_at integer;
+        alter table dlq_entries add column discard_shredded text;
+    """),
 )
 
 

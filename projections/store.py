@@ -404,12 +404,14 @@ class Store(ABC):
         return self._dicts("select * from alerts where id < ? order by id desc limit ?", (before_id, limit))
 
     def dlq_entries(self, *, limit: int = 50, before: tuple[int, int, int] | None = None,
-                    replayed: bool | None = None) -> list[dict[str, Any]]:
+                    replayed: bool | None = None, discarded: bool | None = None) -> list[dict[str, Any]]:
         """Dead letters newest first; ``before`` is the previous page's last (dead_at, partition, dlq_offset)."""
         where: list[str] = []
         params: list[Any] = []
         if replayed is not None:
             where.append("replayed_at is not null" if replayed else "replayed_at is null")
+        if discarded is not None:
+            where.append("discarded_at is not null" if discarded else "discarded_at is null")
         if before is not None:
             where.append("(dead_at, partition, dlq_offset) < (?, ?, ?)")
             params.extend(before)
@@ -418,10 +420,10 @@ class Store(ABC):
         return self._dicts(sql, (*params, limit))
 
     def dlq_depth(self) -> dict[str, int]:
-        """Dead letters not replayed yet, by error kind."""
+        """Dead letters neither replayed nor discarded yet, by error kind."""
         return {str(k): int(n) for k, n in self._rows(
-            "select coalesce(error_kind, 'unknown'), count(*) from dlq_entries where replayed_at is null "
-            "group by coalesce(error_kind, 'unknown')")}
+            "select coalesce(error_kind, 'unknown'), count(*) from dlq_entries "
+            "where replayed_at is null and discarded_at is null group by coalesce(error_kind, 'unknown')")}
 
     def throughput(self, since_ms: int, until_ms: int) -> list[tuple[int, int]]:
         """Events per minute: (minute start in epoch ms, events) for each minute that had any."""

@@ -142,6 +142,8 @@ class StepFailed(Event):
     timed_out: bool = False
     calls: int = Field(ge=0)
     failure_count: int = Field(ge=0)
+    error_kind: ErrorKind | None = Field(default=None, description="why it failed, as its agent saw it (None: its "
+                                         "deadline passed, it was abandoned, or written before kinds were recorded)")
 
 
 class MessageIgnored(Event):
@@ -290,6 +292,8 @@ class StepCompensationFailed(Event):
     timed_out: bool = False
     calls: int = Field(ge=0)
     failure_count: int = Field(ge=0)
+    error_kind: ErrorKind | None = Field(default=None, description="why it failed, as its agent saw it (None: its "
+                                         "deadline passed, it was abandoned, or written before kinds were recorded)")
 
 
 class TaskCompensated(Event):

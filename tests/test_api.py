@@ -11,7 +11,17 @@ import pytest
 from confluent_kafka import Consumer, TopicPartition
 from fastapi.testclient import TestClient
 
-from eventstore.dlq import HEADER_PREFIX, REPLAY_OF, REPLAY_TIME, REPLAY_TO, DeadLetter, dlq_headers
+from eventstore.dlq import (
+    DISCARD_OF,
+    DISCARD_SHREDDED,
+    DISCARD_TIME,
+    HEADER_PREFIX,
+    REPLAY_OF,
+    REPLAY_TIME,
+    REPLAY_TO,
+    DeadLetter,
+    dlq_headers,
+)
 from eventstore.topics import TopicLayout
 from projections.dlq_rows import project_dead_letter
 from projections.lag import PROJECTION, LagReader
@@ -43,7 +53,8 @@ def store(store_spec: StoreSpec, events: list[Event]) -> Iterator[Store]:
     opened = store_spec.open()
     opened.apply_events(LAYOUT.events, [Positioned(0, i, e) for i, e in enumerate(events)])
     letters = [_letter(0, 0, "corrupt"), _letter(0, 1, "schema_invalid"), _letter(1, 0, "corrupt"),
-               _marker(0, 2, replays=(0, 0))]
+               _marker(0, 2, replays=(0, 0)), _letter(1, 1, "poison"), _discard(1, 2, discards=(1, 1)),
+               _discard(1, 3, discards=(1, 1), shredded=b"")]
     opened.apply_batch(LAYOUT.dlq, [Positioned(d.partition, d.offset, d) for d in letters], project_dead_letter)
     try:
         yield opened
@@ -61,6 +72,13 @@ def _marker(partition: int, offset: int, replays: tuple[int, int]) -> DeadLetter
     headers = ((HEADER_PREFIX + REPLAY_OF, f"{replays[0]}:{replays[1]}".encode()),
                (HEADER_PREFIX + REPLAY_TO, b"api.inbox[0]@7"),
                (HEADER_PREFIX + REPLAY_TIME, b"2026-01-01T00:00:00+00:00"))
+    return DeadLetter(partition, offset, b"task-x", None, headers, 0)
+
+
+def _discard(partition: int, offset: int, discards: tuple[int, int], shredded: bytes = b"task-x#ref") -> DeadLetter:
+    headers = ((HEADER_PREFIX + DISCARD_OF, f"{discards[0]}:{discards[1]}".encode()),
+               (HEADER_PREFIX + DISCARD_TIME, b"2026-01-02T00:00:00+00:00"),
+               (HEADER_PREFIX + DISCARD_SHREDDED, shredded))
     return DeadLetter(partition, offset, b"task-x", None, headers, 0)
 
 
@@ -165,11 +183,15 @@ def test_counts_stuck_and_failed_steps_alerts_dead_letters_and_throughput_agree_
 
     assert client.get("/api/dlq/summary").json() == {"depth": 2, "by_kind": {"corrupt": 1, "schema_invalid": 1}}
     dead = client.get("/api/dlq?limit=2").json()
-    more = client.get(f"/api/dlq?limit=2&cursor={dead['next_cursor']}").json()
+    more = client.get(f"/api/dlq?limit=3&cursor={dead['next_cursor']}").json()
     entries = {(d["partition"], d["dlq_offset"]): d for d in dead["items"] + more["items"]}
-    assert set(entries) == {(0, 0), (0, 1), (1, 0)} and more["next_cursor"] is None
+    assert set(entries) == {(0, 0), (0, 1), (1, 0), (1, 1)} and more["next_cursor"] is None
     assert entries[(0, 0)]["replayed_to"] == "api.inbox[0]@7" and entries[(0, 1)]["replayed_at"] is None
     assert [d["dlq_offset"] for d in client.get("/api/dlq?replayed=true").json()["items"]] == [0]
+    discarded = client.get("/api/dlq?discarded=true").json()["items"]
+    assert [(d["partition"], d["dlq_offset"], d["discard_shredded"]) for d in discarded] == [(1, 1, "task-x#ref")], \
+        "discarded once: a second discard (nothing left to shred) changes nothing"
+    assert entries[(1, 1)]["discarded_at"] == 1767312000000 and entries[(1, 0)]["discarded_at"] is None
 
     series = client.get("/api/throughput?minutes=60").json()
     assert series["total"] == len(events) and len(series["series"]) == 60

@@ -94,3 +94,29 @@ def test_an_attempt_not_ended_yet_is_queued_until_an_agent_takes_it_then_running
     assert [a.outcome for a in attempts(h.rows())] == ["queued"]
     h.add(StepAccepted, 1, step="pay", attempt_id="a1", accepted_at=h.at(1), complete_by=h.at(30), waited_ms=1000)
     assert [(a.outcome, a.ended_at) for a in attempts(h.rows())] == [("running", None)]
+
+
+def test_a_last_attempt_with_no_timer_after_it_is_classified_by_the_kind_its_failure_event_records() -> None:
+    h = History()
+    h.started(0, "a1", 1)
+    h.add(StepFailed, 1, step="pay", attempt_id="a1", error="429 slow down", permanent=False, calls=1,
+          failure_count=0, error_kind="throttled")
+    h.started(2, "a2", 2)
+    h.add(StepFailed, 3, step="pay", attempt_id="a2", error="breaker open; past the step's total time",
+          permanent=False, calls=0, failure_count=1, error_kind="breaker_open")
+    h.add(StepCompensationStarted, 4, step="pay", step_index=0, attempt=1, attempt_id="u1", complete_by=h.at(90),
+          calls_allowed=1, start_by=h.at(60))
+    h.add(StepCompensationFailed, 5, step="pay", attempt_id="u1", error="503", permanent=False, calls=1,
+          failure_count=1, error_kind="server_error")
+
+    found = attempts(h.rows())
+    assert [(a.attempt_id, a.outcome, a.error_kind) for a in found] == [
+        ("a1", "throttled", "throttled"), ("a2", "deferred", "breaker_open"), ("u1", "failed", "server_error")]
+
+
+def test_an_old_failure_event_without_a_kind_still_reads_failed_when_no_timer_follows_it() -> None:
+    h = History()
+    h.started(0, "a1", 1)
+    h.add(StepFailed, 1, step="pay", attempt_id="a1", error="429 slow down", permanent=False, calls=1,
+          failure_count=0)
+    assert [(a.outcome, a.error_kind) for a in attempts(h.rows())] == [("failed", None)]

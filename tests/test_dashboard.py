@@ -190,7 +190,8 @@ def operator_dashboard(browser: Browser, store: SqliteStore, bootstrap: str, lay
                                                   settings.admission_refresh_s), settings=settings)
     board = DependencyBoard(bootstrap, layout.dependencies)
     try:
-        routers = [write_router(writer, settings), *dead_letter_routers(DeadLetters(bootstrap, layout.dlq), settings)]
+        dead_letters = DeadLetters(bootstrap, layout.dlq, layout.keys)
+        routers = [write_router(writer, settings), *dead_letter_routers(dead_letters, settings)]
         presence = Presence.of(WAITING_REGISTRY, bootstrap, layout)
         with serving(create_app(store, layout, lag, routers, presence, board)) as url, page_on(browser, url) as opened:
             yield opened
@@ -411,7 +412,7 @@ def test_an_operator_makes_a_waiting_step_try_now_or_cancels_its_task_after_conf
     assert operator_dashboard.errors == []
 
 
-def test_an_operator_inspects_a_dead_letter_and_replays_it_to_its_origin_once(
+def test_an_operator_inspects_a_dead_letter_replays_it_to_its_origin_once_and_discards_another_for_good(
     operator_dashboard: Dashboard, store: SqliteStore, bootstrap: str, layout: TopicLayout,
 ) -> None:
     producer = EventProducer(bootstrap)
@@ -443,6 +444,26 @@ def test_an_operator_inspects_a_dead_letter_and_replays_it_to_its_origin_once(
     page.wait_for_function("document.getElementById('command-answer').textContent.startsWith('replay 0:1: HTTP 409')")
     assert len(read_to_end(bootstrap, layout.inbox)) == 1, "a second replay needs force"
     operator_dashboard.screenshot("console-dlq.png")
+
+    page.locator("#dlq tbody tr", has_text="#0").click()
+    page.wait_for_function("document.getElementById('dlq-entry').textContent === '0:0'")
+    asked: list[str] = []
+    page.once("dialog", lambda dialog: (asked.append(dialog.message), dialog.accept()))
+    page.click("#dlq-discard")
+    page.wait_for_function(
+        "document.getElementById('command-answer').textContent.startsWith('discard 0:0: HTTP 200')")
+    assert asked and asked[0].startswith("Discard dead letter 0:0 for good? It can never be replayed")
+    markers = [DeadLetter.from_message(m) for m in LogRange(bootstrap, layout.dlq)][len(letters):]
+    assert [(m.replay_of, m.discard_of) for m in markers] == [((0, 1), None), (None, (0, 0))]
+    store.apply_batch(layout.dlq, [Positioned(d.partition, d.offset, d) for d in markers], project_dead_letter)
+    page.wait_for_function("[...document.querySelectorAll('#dlq tbody tr')].some(r => "
+                           "r.textContent.includes('#0') && r.textContent.includes('discarded '))")
+    assert page.inner_text("#dlq-depth") == "0", "neither letter waits for an operator any more"
+    page.once("dialog", lambda dialog: dialog.accept())
+    page.click("#dlq-replay")
+    page.wait_for_function("document.getElementById('command-answer').textContent.startsWith('replay 0:0: HTTP 409')")
+    assert "a discarded dead letter is never replayed" in page.inner_text("#command-answer")
+    assert len(read_to_end(bootstrap, layout.inbox)) == 1, "the discarded letter was not replayed"
     assert [e for e in operator_dashboard.errors if "409" not in e] == []
 
 

@@ -106,6 +106,7 @@ def test_a_throttled_attempt_charges_its_calls_but_counts_no_failure_of_the_step
     state, events = run(started(), failure(started(), calls=2, kind="throttled", retry_after_s=2))
     failed, timer = events
     assert isinstance(failed, StepFailed) and failed.failure_count == 0 and failed.calls == 2
+    assert failed.error_kind == "throttled"
     assert isinstance(timer, StepRetryScheduled) and timer.not_before == NOW + timedelta(seconds=2)
     assert timer.reason.startswith("throttled, not failed: the service asked to wait 2.0s")
     step = state.steps[0]
@@ -122,6 +123,7 @@ def test_a_throttled_undo_charges_its_calls_but_counts_no_failure_of_the_compens
     state, events = run(state, failure(state, calls=1, kind="throttled", retry_after_s=3))
     failed, timer_event = events
     assert isinstance(failed, StepCompensationFailed) and failed.failure_count == 0 and failed.calls == 1
+    assert failed.error_kind == "throttled"
     assert isinstance(timer_event, StepRetryScheduled) and timer_event.compensation
     assert timer_event.not_before == NOW + timedelta(seconds=3)
 
@@ -130,10 +132,14 @@ def test_a_step_throttled_on_every_attempt_still_ends_when_its_call_budget_is_sp
     state, attempts = started(), 0
     while state.status == "running" and state.steps[0].status == "processing":
         attempts += 1
-        state, _ = run(state, failure(state, calls=1, kind="throttled", retry_after_s=0))
+        state, events = run(state, failure(state, calls=1, kind="throttled", retry_after_s=0))
     step = state.steps[0]
     assert attempts == 4 and (step.calls_used, step.failure_count) == (4, 0), "the budget ends it, not failures"
     assert state.status != "running", f"escalated: {state.status}"
+    last = events[0]
+    assert isinstance(last, StepFailed) and last.error_kind == "throttled", \
+        "the last attempt, with no timer after it, still records that it was throttled"
+    assert not any(isinstance(e, StepRetryScheduled) for e in events)
 
 
 @pytest.mark.parametrize("kind", ["breaker_open", "budget_spent"])
@@ -234,6 +240,7 @@ def test_deferrals_count_against_a_steps_total_time_and_one_that_would_end_past_
         "a third deferral would end 75 s after the first attempt, past the minute: the step gives up instead"
     gave_up = events[0]
     assert isinstance(gave_up, StepFailed) and gave_up.calls == 0 and "total time" in gave_up.error
+    assert gave_up.error_kind == "breaker_open", "the attempt that gave up says why it made no call"
     assert state.status == "error" and state.steps[0].calls_used == 0, "giving up charged no call"
 
 

@@ -80,7 +80,8 @@ def test_list_shows_every_dead_letter_with_its_reason_and_origin(
 
     code, out, _err = _run(capsys, "dlq", "list")
     assert code == 0
-    assert "3 dead letters, 3 not replayed" in out and "contradictory" in out and "same task id" in out
+    assert "3 dead letters, 3 neither replayed nor discarded" in out
+    assert "contradictory" in out and "same task id" in out
     code, out, _err = _run(capsys, "dlq", "list", "--json", "--limit", "1")
     assert [e["entry"] for e in orjson.loads(out)] == [dead_letters[2]["entry"]]
 
@@ -132,25 +133,35 @@ def test_replay_republishes_to_the_origin_once_and_records_it_on_the_log(
     assert code == 0 and out.startswith(f"replayed {chosen['entry']} -> ")
 
 
-def test_the_projector_follows_the_dlq_into_dlq_entries_replays_included(
+def test_the_projector_follows_the_dlq_into_dlq_entries_replays_and_discards_included(
     dead_letters: list[dict[str, Any]], bootstrap: str, layout: TopicLayout, tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     assert _run(capsys, "dlq", "replay", dead_letters[0]["entry"])[0] == 0
+    discarded = dead_letters[1]["entry"]
+    code, out, _err = _run(capsys, "dlq", "discard", discarded, dead_letters[0]["entry"])
+    assert code == 0 and out.splitlines() == [
+        f"discarded {discarded}",  # no sealed input: no data key to tombstone
+        f"skipped {dead_letters[0]['entry']}: already replayed: its copy went to its origin (discard that copy's "
+        "dead letter, if it is one)"]
+    code, out, _err = _run(capsys, "dlq", "replay", discarded, "--force")
+    assert code == 0 and "a discarded dead letter is never replayed" in out
     store = SqliteStore(tmp_path / "state.db")
     stop = threading.Event()
     follower = DlqFollower(bootstrap, layout.dlq, store, ConsumerSettings(poll_timeout_s=0.1), stop)
     thread = threading.Thread(target=follower.run)
     thread.start()
     try:
-        assert wait_for(lambda: sum(store.dlq_depth().values()) == 2 and _replayed(store), timeout_s=30)
+        assert wait_for(lambda: sum(store.dlq_depth().values()) == 1 and _replayed(store), timeout_s=30)
     finally:
         stop.set()
         thread.join(timeout=30)
     rows = {(r["partition"], r["dlq_offset"]): r for r in store.dlq_entries(limit=10)}
     first = rows[(dead_letters[0]["partition"], dead_letters[0]["offset"])]
     assert first["replayed_to"] and first["origin_topic"] == layout.inbox and first["error_kind"] == "corrupt"
-    assert store.dlq_depth() == {"schema_invalid": 1, "contradictory": 1}
+    second = rows[(dead_letters[1]["partition"], dead_letters[1]["offset"])]
+    assert second["discarded_at"] and second["replayed_at"] is None and second["discard_shredded"] is None
+    assert store.dlq_depth() == {"contradictory": 1}, "neither the replayed nor the discarded one waits"
     store.close()
 
 
@@ -172,6 +183,7 @@ def dlq_topic(monkeypatch: pytest.MonkeyPatch, bootstrap: str, layout: TopicLayo
     (["dlq", "show", "7:0"], "has partitions 0-2"),
     (["dlq", "show", "0:999"], "no record there"),
     (["dlq", "replay", "1:2", "x:1"], "ENTRY 'x:1' is not PARTITION:OFFSET"),
+    (["dlq", "discard", "0:999"], "no record there"),
     (["dlq", "list", "--limit", "0"], "--limit 0"),
 ])
 def test_bad_arguments_are_refused_naming_them(

@@ -2,7 +2,7 @@
 defaults (librdkafka's ``consistent_random`` partitioner, crc32, not murmur2) with the project's codec for
 the bytes. Its records land on other partitions than the scheduler's owners; each task still ends as a
 correct producer's would, checked against the order service's own records. And a sealed submission that the
-scheduler dead-lettered completes when the dead letter is replayed."""
+scheduler dead-lettered completes when the dead letter is replayed, or loses its data key when it is discarded."""
 
 from __future__ import annotations
 
@@ -139,17 +139,19 @@ def test_fifty_submissions_placed_by_librdkafkas_default_partitioner_end_as_a_co
     assert logged and len(logged) < len(astray), "told in aggregate, not a line per record"
 
 
-def test_a_dead_lettered_sealed_submission_completes_on_replay_and_one_whose_key_is_gone_is_refused(
+def test_a_dead_lettered_sealed_submission_completes_on_replay_one_discarded_has_its_key_shredded_and_stays_dead(
     paid_orders: System,
 ) -> None:
     system = paid_orders
     foreign = ForeignProducer(system.bootstrap)
     # A submitter already on a new master key the scheduler does not hold yet: the proposed key cannot be
-    # unwrapped, and the submission is dead-lettered.
-    command = propose(foreign, system, SubmitTask(task_id="replayed-card", workflow="orders-card", workflow_version=1,
-                                                  input=order("replayed-card"), submitter="shop"), f"{K2},{K1}")
+    # unwrapped, and the submission is dead-lettered (two of them: one is replayed after the fix, one discarded).
+    command, given_up = (propose(foreign, system, SubmitTask(task_id=task, workflow="orders-card", workflow_version=1,
+                                                             input=order(task), submitter="shop"), f"{K2},{K1}")
+                         for task in ("replayed-card", "discarded-card"))
     foreign.flush()
     foreign.submit(system.layout.inbox, command)
+    foreign.submit(system.layout.inbox, given_up)
     # And one naming a proposal that never came: it cannot be opened by any fix.
     lost = SubmissionSealer(SENSITIVE_REGISTRY, Keyring.parse(K1)).seal(SubmitTask(
         task_id="lost-key", workflow="orders-card", workflow_version=1, input=order("lost-key"), submitter="shop"))
@@ -161,23 +163,40 @@ def test_a_dead_lettered_sealed_submission_completes_on_replay_and_one_whose_key
     def dead_lettered() -> bool:
         listed = system.cli("dlq", "list", "--json")
         entries.update({e["key"]: e["entry"] for e in orjson.loads(listed.stdout or "[]")})
-        return {"replayed-card", "lost-key"} <= set(entries)
+        return {"replayed-card", "discarded-card", "lost-key"} <= set(entries)
 
     assert wait_for(dead_lettered, timeout_s=60), system.logs_tail()
     assert "replayed-card" not in system.statuses() and charged_token(system, "replayed-card") is None
     record = proposal_record("replayed-card", str(command.key_ref))
-    assert read_key_records(system.bootstrap, system.layout.keys, {}).proposals.get(record), \
-        "the proposed key is kept while its submission is a dead letter"
+    shredded = proposal_record("discarded-card", str(given_up.key_ref))
+    kept = read_key_records(system.bootstrap, system.layout.keys, {}).proposals
+    assert kept.get(record) and kept.get(shredded), "the proposed key is kept while its submission is a dead letter"
+
+    discarded = system.cli("dlq", "discard", entries["discarded-card"], "--json")
+    assert discarded.returncode == 0, discarded.stdout + discarded.stderr
+    assert [(o["key"], o["discarded"], o["shredded"]) for o in orjson.loads(discarded.stdout)] == [
+        ("discarded-card", True, shredded)]
+    after = read_key_records(system.bootstrap, system.layout.keys, {})
+    assert shredded in after.proposals and after.proposals[shredded] is None, "its data key tombstoned on keys"
+    assert after.proposals.get(record), "the other dead letter's key is kept"
+    listed = {e["key"]: e for e in orjson.loads(system.cli("dlq", "list", "--json").stdout)}
+    assert listed["discarded-card"]["discarded"]["shredded"] == shredded
+    assert listed["replayed-card"]["discarded"] is None
+    again = system.cli("dlq", "discard", entries["discarded-card"], "--json")
+    assert orjson.loads(again.stdout)[0]["skipped"] == "already discarded"
 
     system.env["STEPSTREAM_ENCRYPTION_KEYS"] = f"{K1},{K2}"  # the fix: the scheduler learns the new master key
     system.procs.terminate("scheduler")
     system.restart("scheduler")
-    replayed = system.cli("dlq", "replay", entries["replayed-card"], entries["lost-key"], "--json")
+    replayed = system.cli("dlq", "replay", entries["replayed-card"], entries["lost-key"], entries["discarded-card"],
+                          "--force", "--json")
     assert replayed.returncode == 0, replayed.stdout + replayed.stderr
     outcomes = {o["key"]: o for o in orjson.loads(replayed.stdout)}
     assert outcomes["replayed-card"]["replayed_to"] and outcomes["lost-key"]["replayed_to"] is None
     assert "is no longer on" in outcomes["lost-key"]["skipped"] and "submit the task again" in \
         outcomes["lost-key"]["skipped"]
+    assert outcomes["discarded-card"]["replayed_to"] is None, "a discarded dead letter is not replayed, even forced"
+    assert "a discarded dead letter is never replayed" in outcomes["discarded-card"]["skipped"]
 
     statuses = system.wait_terminal(["replayed-card"], timeout_s=90)
     assert statuses == {"replayed-card": "completed"}
@@ -185,6 +204,7 @@ def test_a_dead_lettered_sealed_submission_completes_on_replay_and_one_whose_key
     assert charged_token(system, "replayed-card") == order("replayed-card")["card_token"]
     assert wait_for(lambda: read_key_records(system.bootstrap, system.layout.keys, {}).proposals.get(record) is None,
                     timeout_s=30), "taken by the replay, like any proposal"
+    assert "discarded-card" not in system.statuses() and charged_token(system, "discarded-card") is None
 
 
 def java_classpath(tmp: Path) -> str:

@@ -114,7 +114,7 @@ def on_compensation_result(builder: Builder, workflow: Workflow, result: StepRes
     else:
         error = result.error or "the agent reported a failure without detail"
         builder.emit(StepCompensationFailed, step=current.name, attempt_id=undo.attempt_id, error=error,
-                     permanent=result.permanent, calls=charged,
+                     permanent=result.permanent, calls=charged, error_kind=result.error_kind,
                      failure_count=undo.failure_count + (0 if result.throttled else 1))
     alert_overspend(builder, current.name, undo.attempt_id, result.calls, undo.calls_allowed)
     if result.ok:

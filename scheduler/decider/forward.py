@@ -42,7 +42,7 @@ def on_result(builder: Builder, workflow: Workflow, result: StepResult) -> None:
             # escalating finds it ended, as after any other last failure.
             builder.emit(StepFailed, step=current.name, attempt_id=current.attempt_id,
                          error=f"deferred without a call ({result.error}); {late}", permanent=False, calls=0,
-                         failure_count=current.failure_count + 1)
+                         failure_count=current.failure_count + 1, error_kind=result.error_kind)
             _escalate(builder, workflow, current.name, late)
             return
         schedule(builder, index, current.attempt + 1, delay,
@@ -56,7 +56,7 @@ def on_result(builder: Builder, workflow: Workflow, result: StepResult) -> None:
     else:
         error = result.error or "the agent reported a failure without detail"
         builder.emit(StepFailed, step=current.name, attempt_id=current.attempt_id, error=error,
-                     permanent=result.permanent, calls=charged,
+                     permanent=result.permanent, calls=charged, error_kind=result.error_kind,
                      failure_count=current.failure_count + (0 if result.throttled else 1))
     alert_overspend(builder, current.name, current.attempt_id, result.calls, current.calls_allowed)
     if result.ok:

@@ -33,8 +33,8 @@ class DashboardCollector(Collector):
         self.agents = agents
 
     def collect(self) -> Iterable[Metric]:
-        depth = GaugeMetricFamily("stepstream_dlq_depth", "Dead letters not replayed yet, by error kind",
-                                  labels=["kind"])
+        depth = GaugeMetricFamily("stepstream_dlq_depth",
+                                  "Dead letters neither replayed nor discarded yet, by error kind", labels=["kind"])
         for kind, count in sorted(self.store.dlq_depth().items()):
             depth.add_metric([kind], count)
         yield depth

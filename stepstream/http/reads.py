@@ -178,18 +178,18 @@ def read_router(store: Store, topics: list[str], lag: LagReader | None,
         return {"items": store.alerts(limit, before_id)}
 
     @router.get("/api/dlq", tags=["operators"])
-    def dlq(limit: Limit = 50, replayed: bool | None = None,
+    def dlq(limit: Limit = 50, replayed: bool | None = None, discarded: bool | None = None,
             cursor: Annotated[str | None, Query(description="next_cursor of the previous page")] = None,
             ) -> dict[str, Any]:
-        """Dead letters, newest first, with their reasons and whether they were replayed."""
+        """Dead letters, newest first, with their reasons and whether they were replayed or discarded."""
         before = decode_cursor(cursor, (int, int, int))
         items = store.dlq_entries(limit=limit, before=(before[0], before[1], before[2]) if before else None,
-                                  replayed=replayed)
+                                  replayed=replayed, discarded=discarded)
         return _page(items, limit, "dead_at", "partition", "dlq_offset")
 
     @router.get("/api/dlq/summary", tags=["operators"])
     def dlq_summary() -> dict[str, Any]:
-        """DLQ depth (dead letters not replayed), by error kind."""
+        """DLQ depth (dead letters neither replayed nor discarded), by error kind."""
         by_kind = store.dlq_depth()
         return {"depth": sum(by_kind.values()), "by_kind": by_kind}
 

@@ -80,7 +80,7 @@ def serve_api(*, host: str | None, port: int | None) -> int:
         probes = probes_router(store, layout.events, stop, HEALTH if writer is not None else None)
         routers = [write_router(writer, settings), probes]
         if lag is not None:  # a cluster to read dead letters and the agents' reports from
-            routers += dead_letter_routers(DeadLetters(kafka.resolved_bootstrap(), layout.dlq), settings)
+            routers += dead_letter_routers(DeadLetters(kafka.resolved_bootstrap(), layout.dlq, layout.keys), settings)
             board = DependencyBoard(kafka.resolved_bootstrap(), layout.dependencies)
         app = create_app(store, layout, lag, routers, _presence(kafka, layout) if lag is not None else None, board)
         server = _draining_server_class()(uvicorn.Config(app, log_level="warning", access_log=False))

@@ -174,7 +174,8 @@ async function post(path, body, label) {
     const reply = await response.json();
     const detail = typeof reply.detail === "string" ? reply.detail : reply.detail && JSON.stringify(reply.detail);
     answer([`${label}: HTTP ${response.status}`, reply.outcome, reply.replayed_to && `to ${reply.replayed_to}`,
-            detail].filter(Boolean).join(" "), !response.ok);
+            reply.shredded && `data key ${reply.shredded} tombstoned`, detail].filter(Boolean).join(" "),
+           !response.ok);
     return reply;
   } catch (err) {
     answer(`${label}: ${err.message}`, true);
@@ -645,6 +646,7 @@ const dlqTable = new Table("dlq", [
   {name: "kind", value: d => d.error_kind},
   {name: "reason", value: d => d.reason, cls: () => "error"},
   {name: "replayed", value: d => d.replayed_to ? `to ${d.replayed_to}` : "no"},
+  {name: "discarded", value: d => d.discarded_at ? `discarded ${when(d.discarded_at)}` : "no"},
 ], d => `${d.partition}:${d.dlq_offset}`, d => inspect(d.partition, d.dlq_offset));
 
 async function loadDlq(more) {
@@ -698,6 +700,14 @@ $("dlq-replay").addEventListener("click", async () => {
   if (!operatorToken()) return;
   if (!confirm(`Replay dead letter ${partition}:${offset} to its origin topic? Its consumer reads it again.`)) return;
   await post(`/api/dlq/${partition}/${offset}/replay`, null, `replay ${partition}:${offset}`);
+  loadDlq(false);
+});
+$("dlq-discard").addEventListener("click", async () => {
+  const [partition, offset] = dlqState.chosen;
+  if (!operatorToken()) return;
+  if (!confirm(`Discard dead letter ${partition}:${offset} for good? It can never be replayed afterwards, and the ` +
+               "data key of a sealed submission is destroyed.")) return;
+  await post(`/api/dlq/${partition}/${offset}/discard`, null, `discard ${partition}:${offset}`);
   loadDlq(false);
 });
 $("dlq-more").addEventListener("click", () => loadDlq(true));

@@ -5,6 +5,8 @@ from __future__ import annotations
 import difflib
 import importlib
 import threading
+from collections import Counter
+from collections.abc import Iterable, Mapping
 
 from agents.dependencies import process_registry
 from agents.http import http_handler, pooled_client
@@ -28,20 +30,37 @@ def agent_url(project: LoadedProject, name: str) -> str | None:
 
 def declared_agent(project: LoadedProject, name: str, policy: PolicyProvider, stopping: threading.Event, *,
                    connections: int, url_override: str | None = None) -> Agent:
-    """The agent ``name`` as ``project`` declares it; ``url_override`` (STEPSTREAM_AGENT_SERVICE_URL, which
-    ``up`` sets to where it started the service) replaces an HTTP agent's base URL. Every agent built here in
-    one process shares the process's dependency registry: agents of one service share its breaker, retry
-    budget and pace."""
-    decl = project.agent(name)
-    handler: AgentHandler
-    if decl.handler is not None:
-        handler = imported_handler(name, decl.handler)
-    else:
-        base = url_override or agent_url(project, name)
-        assert base is not None  # an HTTP agent has a service or a url (model validation)
-        handler = http_handler(base, decl.path, pooled_client(connections), method=decl.method,
-                               headers=decl.headers, max_timeout_s=decl.timeout_s)
-    return Agent(name, handler, policy, stopping, dependency=decl.dependency, dependencies=process_registry())
+    """The agent ``name`` alone (see ``declared_agents``), calling ``url_override`` if given."""
+    return declared_agents(project, [name], policy, stopping, connections=connections,
+                           urls={name: url_override})[name]
+
+
+def declared_agents(project: LoadedProject, names: Iterable[str], policy: PolicyProvider, stopping: threading.Event,
+                    *, connections: int, urls: Mapping[str, str | None]) -> dict[str, Agent]:
+    """The agents ``names`` as ``project`` declares them, for one process; ``urls`` (by agent, from
+    STEPSTREAM_AGENT_SERVICE_URL(S), which ``up`` sets to where it started the services) replaces an HTTP
+    agent's base URL. The HTTP agents calling one base URL share one connection pool, with ``connections``
+    for each of them (each keeps that many calls in flight); every agent shares the process's dependency
+    registry: agents of one service share its breaker, retry budget and pace."""
+    names = list(names)
+    bases = {name: urls.get(name) or agent_url(project, name) for name in names
+             if project.agent(name).handler is None}
+    callers = Counter(bases.values())
+    pools = {base: pooled_client(connections * count) for base, count in callers.items() if base is not None}
+    agents: dict[str, Agent] = {}
+    for name in names:
+        decl = project.agent(name)
+        handler: AgentHandler
+        if decl.handler is not None:
+            handler = imported_handler(name, decl.handler)
+        else:
+            base = bases[name]
+            assert base is not None  # an HTTP agent has a service or a url (model validation)
+            handler = http_handler(base, decl.path, pools[base], method=decl.method, headers=decl.headers,
+                                   max_timeout_s=decl.timeout_s)
+        agents[name] = Agent(name, handler, policy, stopping, dependency=decl.dependency,
+                             dependencies=process_registry())
+    return agents
 
 
 def imported_handler(name: str, target: str) -> AgentHandler:

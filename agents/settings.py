@@ -30,6 +30,8 @@ class AgentSettings(BaseSettings):
     concurrency: int = Field(default=32, ge=1, le=1024,
                              description="attempts in flight per agent process (those of one task run in order)")
     policy_poll_s: float = Field(default=1.0, gt=0, description="how often the policy file is checked for changes")
+    linger_ms: int = Field(default=10, ge=0, le=1000,
+                           description="how long the agents' answers wait to be sent together (librdkafka's linger)")
 
     def url_for(self, agent: str) -> str | None:
         """The base URL the HTTP agent ``agent`` calls instead of the one its project declares, if any."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -104,7 +104,10 @@ def _host(names: list[str], service: str) -> int:
                              urls={name: settings.url_for(name) for name in names})
     bootstrap = kafka.resolved_bootstrap()
     keys = DataKeys(bootstrap, TopicLayout.from_settings(kafka).keys)
-    output = EventProducer(bootstrap)
+    # Answers wait up to linger_ms to leave together: under a burst, fewer and larger produce requests (and
+    # fewer fetches for the scheduler reading them); alone, a few milliseconds more per step.
+    linger: dict[str, Any] = {"linger.ms": settings.linger_ms}
+    output = EventProducer(bootstrap, **linger)
     loops = {name: build_agent(kafka, consumer, agent, settings.concurrency, keys=keys, output=output.share()).run
              for name, agent in agents.items()}
     try:

@@ -77,7 +77,8 @@ def run_agents(names: list[str]) -> int:
 
 def _host(names: list[str], service: str) -> int:
     """Run the agents ``names`` in this process, sharing one producer, one data-keys reader, the policy and
-    a connection pool per service; each keeps its consumer, workers, breaker, budget, metrics and drain."""
+    the breaker, budget and pace of each service; each keeps its consumer, workers, connection pool, metrics
+    and drain."""
     from agents.dependencies import process_registry
     from agents.host import AgentHost
     from agents.policy import FilePolicy, PolicyError

@@ -29,36 +29,32 @@ def agent_url(project: LoadedProject, name: str) -> str | None:
 
 def declared_agent(project: LoadedProject, name: str, policy: PolicyProvider, stopping: threading.Event, *,
                    connections: int, url_override: str | None = None) -> Agent:
-    """The agent ``name`` alone (see ``declared_agents``), calling ``url_override`` if given."""
-    return declared_agents(project, [name], policy, stopping, connections=connections,
-                           urls={name: url_override})[name]
+    """The agent ``name`` as ``project`` declares it; ``url_override`` (STEPSTREAM_AGENT_SERVICE_URL(S), which
+    ``up`` sets to where it started the service) replaces an HTTP agent's base URL. Every agent built here in
+    one process shares the process's dependency registry: agents of one service share its breaker, retry
+    budget and pace."""
+    decl = project.agent(name)
+    handler: AgentHandler
+    if decl.handler is not None:
+        handler = imported_handler(name, decl.handler)
+    else:
+        base = url_override or agent_url(project, name)
+        assert base is not None  # an HTTP agent has a service or a url (model validation)
+        handler = http_handler(base, decl.path, pooled_client(connections), method=decl.method,
+                               headers=decl.headers, max_timeout_s=decl.timeout_s)
+    return Agent(name, handler, policy, stopping, dependency=decl.dependency, dependencies=process_registry())
 
 
 def declared_agents(project: LoadedProject, names: Iterable[str], policy: PolicyProvider, stopping: threading.Event,
                     *, connections: int, urls: Mapping[str, str | None]) -> dict[str, Agent]:
-    """The agents ``names`` as ``project`` declares them, for one process; ``urls`` (by agent, from
-    STEPSTREAM_AGENT_SERVICE_URL(S), which ``up`` sets to where it started the services) replaces an HTTP
-    agent's base URL. Every agent shares the process's dependency registry: agents of one service share its
-    breaker, retry budget and pace.
+    """The agents ``names`` for one process (an agent host), each calling ``urls[name]`` if given.
 
     Each HTTP agent keeps a connection pool of its own (``connections``, one per call in flight), even
     beside agents of the same service: one pool for three agents' 96 calls in flight spent most of the
     host's CPU waiting on httpcore's pool lock (its every request and release scans the pool's connections
     and queued requests under that lock), doubling the agents' CPU per order in ``benchmarks.burst``."""
-    agents: dict[str, Agent] = {}
-    for name in names:
-        decl = project.agent(name)
-        handler: AgentHandler
-        if decl.handler is not None:
-            handler = imported_handler(name, decl.handler)
-        else:
-            base = urls.get(name) or agent_url(project, name)
-            assert base is not None  # an HTTP agent has a service or a url (model validation)
-            handler = http_handler(base, decl.path, pooled_client(connections), method=decl.method,
-                                   headers=decl.headers, max_timeout_s=decl.timeout_s)
-        agents[name] = Agent(name, handler, policy, stopping, dependency=decl.dependency,
-                             dependencies=process_registry())
-    return agents
+    return {name: declared_agent(project, name, policy, stopping, connections=connections,
+                                 url_override=urls.get(name)) for name in names}
 
 
 def imported_handler(name: str, target: str) -> AgentHandler:

@@ -39,6 +39,9 @@ from eventstore.shutdown import EXIT_DRAIN_TIMEOUT
 
 log = structlog.get_logger("stepstream.agent")
 
+SIGNAL_CHECK_S = 0.2
+"""How often the main thread wakes while the agents run, so a signal's handler runs (see ``run``)."""
+
 Loop = Callable[[], None]
 """An agent's consumer loop: returns once its stop event is set and it drained, or raises if it broke."""
 
@@ -62,7 +65,11 @@ class AgentHost:
         for thread in threads:
             thread.start()
         log.info("agent host running", agents=sorted(self.loops))
-        self.stop.wait()
+        # Not one wait without a timeout: SIGTERM may be delivered to any thread, and Python runs its handler
+        # (which sets ``stop``) only in the main thread, once that thread runs again: a main thread blocked
+        # for good in ``wait()`` would never drain.
+        while not self.stop.wait(SIGNAL_CHECK_S):
+            pass
         deadline = time.monotonic() + self.drain_timeout_s
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))

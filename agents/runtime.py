@@ -431,14 +431,17 @@ class Agent:
 
 
 def build_agent(kafka: KafkaSettings, consumer: ConsumerSettings, agent: Agent, concurrency: int = 1,
-                keyring: Keyring | None = None) -> KeyedConsumerRuntime:
+                keyring: Keyring | None = None, *, keys: DataKeys | None = None,
+                output: EventProducer | None = None) -> KeyedConsumerRuntime:
     """The agent on the keyed runtime: up to ``concurrency`` attempts in flight, one at a time per task.
 
     The breaker, retry budget and policy are the agent's, so every concurrent attempt shares them.
-    ``keyring`` (default: ``STEPSTREAM_ENCRYPTION_KEYS``) opens the sealed fields of its requests.
+    ``keyring`` (default: ``STEPSTREAM_ENCRYPTION_KEYS``) opens the sealed fields of its requests. ``keys``
+    and ``output`` are what an agent host shares between its agents: the reader of data keys (a task's key
+    read once for all its steps) and the producer (``EventProducer.share``); by default the agent's own.
     """
     layout = TopicLayout.from_settings(kafka)
-    inputs = SealedInputs(DataKeys(kafka.resolved_bootstrap(), layout.keys),
+    inputs = SealedInputs(keys or DataKeys(kafka.resolved_bootstrap(), layout.keys),
                           keyring or EncryptionSettings().keyring())
     return KeyedConsumerRuntime(
         concurrency=concurrency,
@@ -449,4 +452,5 @@ def build_agent(kafka: KafkaSettings, consumer: ConsumerSettings, agent: Agent, 
         dlq_topic=layout.dlq,
         settings=consumer,
         stop_event=agent.stopping,
+        output=output,
     )

@@ -21,6 +21,8 @@ class AgentSettings(BaseSettings):
 
     service_url: str | None = Field(default=None, description="the base URL an HTTP agent calls, over the one its "
                                     "project declares (`stepstream up` sets it to where it started the service)")
+    service_urls: dict[str, str] = Field(default_factory=dict, description="per agent name, the base URL it calls, "
+                                         "over service_url (JSON; `stepstream up` sets it for its agent host)")
     call_timeout_s: float = Field(default=10.0, gt=0)
     initial_backoff_s: float = Field(default=0.1, gt=0)
     max_backoff_s: float = Field(default=5.0, gt=0)
@@ -28,6 +30,12 @@ class AgentSettings(BaseSettings):
     concurrency: int = Field(default=32, ge=1, le=1024,
                              description="attempts in flight per agent process (those of one task run in order)")
     policy_poll_s: float = Field(default=1.0, gt=0, description="how often the policy file is checked for changes")
+    linger_ms: int = Field(default=10, ge=0, le=1000,
+                           description="how long the agents' answers wait to be sent together (librdkafka's linger)")
+
+    def url_for(self, agent: str) -> str | None:
+        """The base URL the HTTP agent ``agent`` calls instead of the one its project declares, if any."""
+        return self.service_urls.get(agent, self.service_url)
 
     def retry_policy(self) -> RetryPolicy:
         return RetryPolicy(initial_backoff_s=self.initial_backoff_s, max_backoff_s=self.max_backoff_s,

@@ -15,7 +15,8 @@ passed. Then ``up`` is stopped with SIGTERM and the broker with ``stepstream bro
 Reported per burst: completed fraction, completed steps/s (3 per task, from the first submission to the
 last task's end), the submission time, p50/p99 task latency (the store's ``created_at`` to ``updated_at``
 of each completed task), and each process's CPU ms per task (from /proc, from the first submission to the
-end: ``up``'s children, the broker, and this process, which submits), with the machine's load average.
+end: ``up``'s children, the broker, and this process, which submits), with the machine's load average, and
+the resident memory of each process ``up`` runs (the broker too), idle before the burst and at its end.
 ``--profile S`` samples every stepstream process with py-spy for S seconds in the middle of the run (the
 top entries of each are printed to stderr). Then one task alone, ``stepstream submit --wait`` on the idle
 system of the last burst: the time from the command's start to its answer, and from the submission to the
@@ -49,6 +50,7 @@ from stepstream.local.up import wait_until_up
 STEPS_PER_TASK = 3
 TERMINAL = ("completed", "compensated", "compensation_failed", "error", "rejected", "failed")
 TICKS = os.sysconf("SC_CLK_TCK")
+CLIENT = "client (this process)"
 
 
 def _cpu_s(pid: int) -> float:
@@ -58,6 +60,23 @@ def _cpu_s(pid: int) -> float:
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def _rss_mb(pid: int) -> float:
+    """Resident memory of ``pid`` in MB (its VmRSS), 0 once it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def _memory(pids: dict[int, str]) -> dict[str, Any]:
+    """Each process's resident MB, and the total of what ``up`` runs (the local broker too, not this client)."""
+    each = {name: round(_rss_mb(pid), 1) for pid, name in pids.items() if name != CLIENT}
+    return {"total": round(sum(each.values()), 1), "each": dict(sorted(each.items()))}
 
 
 def _thread_cpu_s(pid: int) -> dict[str, float]:
@@ -213,7 +232,8 @@ def run_burst(tasks: int, latency_ms: int, timeout_s: float, profile_s: int, wor
         broker = _broker_pid(home)
         if broker is not None:
             pids[broker] = "broker"
-        pids[os.getpid()] = "client (this process)"
+        pids[os.getpid()] = CLIENT
+        memory_idle = _memory(pids)
         jmx = _broker_jmx(broker) if broker is not None else None
         requests0 = _broker_requests(jmx)
         threads0 = _thread_cpu_s(broker) if broker is not None else {}
@@ -236,11 +256,12 @@ def run_burst(tasks: int, latency_ms: int, timeout_s: float, profile_s: int, wor
                 break
             if profile_s and not profiled and ended >= tasks // 4:
                 profiled = True
-                tops = _profile({p: n for p, n in pids.items() if n not in ("broker", "client (this process)")},
+                tops = _profile({p: n for p, n in pids.items() if n not in ("broker", CLIENT)},
                                 profile_s, home)
                 continue
             time.sleep(0.5)
         elapsed = time.monotonic() - started
+        memory_after = _memory(pids)
         cpu = {pids[pid]: _cpu_s(pid) - before for pid, before in cpu0.items()}
         requests = _broker_requests(jmx)
         threads = _thread_cpu_s(broker) if broker is not None else {}
@@ -260,6 +281,7 @@ def run_burst(tasks: int, latency_ms: int, timeout_s: float, profile_s: int, wor
             "load_after": os.getloadavg()[0],
             "broker_requests_per_task": dict(sorted(per_task.items(), key=lambda kv: -kv[1])),
             "broker_cpu_ms_per_task_by_thread": dict(sorted(broker_threads.items(), key=lambda kv: -kv[1])),
+            "rss_mb_idle": memory_idle, "rss_mb_after": memory_after,
         })
         if tops:
             result["profile"] = tops

@@ -2,7 +2,9 @@
 
 ``/livez`` answers 200 while the service's main loop keeps turning (it beats at least once per poll), 503
 once it has not for ``stall_after_s``: a hung loop (a deadlock, a handler stuck forever) is something only a
-restart cures, which is what an orchestrator does with a failed liveness probe. ``/readyz`` answers 200
+restart cures, which is what an orchestrator does with a failed liveness probe. A process running several
+loops (the agent host: one per agent) is live only while every one of them turns, so one stalled agent does
+not hide behind the others. ``/readyz`` answers 200
 from the first turn of the loop until the service starts draining (SIGTERM), 503 otherwise: a consumer
 owning no partition (more instances than partitions) is still ready, it is the group's standby.
 ``/metrics`` is Prometheus' exposition, as before.
@@ -26,32 +28,39 @@ class Health:
     def __init__(self, stall_after_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.stall_after_s = stall_after_s
         self._clock = clock
-        self._last_beat: float | None = None
+        self._beats: dict[str, float] = {}  # per loop, when it last turned
         self._draining = False
         self.turns = 0
         """How often the loop turned: that it keeps polling, where nothing else shows it (a paused partition)."""
 
-    def beat(self) -> None:
-        """The main loop turned (called once per poll)."""
-        self._last_beat = self._clock()
+    def beat(self, loop: str = "main") -> None:
+        """The loop ``loop`` turned (called once per poll; a process with one loop need not name it)."""
+        self._beats[loop] = self._clock()
         self.turns += 1
+
+    def retire(self, loop: str) -> None:
+        """The loop ``loop`` ended (drained): its silence from now on is no stall."""
+        self._beats.pop(loop, None)
 
     def draining(self) -> None:
         """The service stops taking work: no longer ready, still alive while it drains."""
         self._draining = True
 
     def live(self) -> tuple[bool, str]:
-        if self._last_beat is None:
+        beats = dict(self._beats)  # a copy: loops beat from their own threads
+        if not beats:
             return True, "starting"
-        idle = self._clock() - self._last_beat
+        loop, last = min(beats.items(), key=lambda item: item[1])
+        idle = self._clock() - last
         if idle > self.stall_after_s:
-            return False, f"main loop has not turned for {idle:.0f}s (limit {self.stall_after_s:g}s)"
-        return True, "main loop turning"
+            name = "main loop" if loop == "main" else f"loop {loop}"
+            return False, f"{name} has not turned for {idle:.0f}s (limit {self.stall_after_s:g}s)"
+        return True, "main loop turning" if len(beats) == 1 else f"{len(beats)} loops turning"
 
     def ready(self) -> tuple[bool, str]:
         if self._draining:
             return False, "draining"
-        if self._last_beat is None:
+        if not self._beats:
             return False, "starting"
         return self.live()
 

@@ -98,7 +98,7 @@ class KeyedConsumerRuntime(ConsumerRuntime):
                                  on_lost=self._revoked_cb)
         try:
             while not self._stop.is_set():
-                HEALTH.beat()
+                HEALTH.beat(self.group_id)  # one loop of several in an agent host: each beats on its own
                 for raw in self._fetch():
                     self._accept(raw)
                 self._maybe_store()
@@ -107,6 +107,7 @@ class KeyedConsumerRuntime(ConsumerRuntime):
             if self._crash is not None:
                 raise self._crash
         finally:
+            HEALTH.retire(self.group_id)
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._consumer.close()
             self.output.flush()

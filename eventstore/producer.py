@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer
@@ -27,6 +28,22 @@ class EventProducer:
         # Per (topic, partition), one past the highest offset a send was delivered at (``delivered_ends``).
         self._delivered_end: dict[tuple[str, int], int] = {}
         self.transactional = transactional_id is not None
+
+    def share(self) -> EventProducer:
+        """Another sender over this producer's connections and batches, with delivery failures of its own.
+
+        Several consumers of one process (the agents of an agent host) send through one librdkafka producer:
+        their answers to the same inbox partition ride in one produce request instead of one each. Each keeps
+        its own failures, so a ``flush`` raises only for the sender whose sends were lost: one consumer never
+        stores offsets past its lost output because another's flush took the failure. (A flush still waits
+        for every sender's messages in flight: milliseconds.) A transaction is one sender's, never shared.
+        """
+        if self.transactional:
+            raise ValueError("a transactional producer is one sender's: its transaction cannot be shared")
+        shared = copy.copy(self)
+        shared._failures = []
+        shared._delivered_end = {}
+        return shared
 
     @property
     def raw(self) -> Producer:

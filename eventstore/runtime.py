@@ -119,6 +119,7 @@ class ConsumerRuntime:
         on_batch_end: Callable[[], None] | None = None,
         consumer_overrides: dict[str, Any] | None = None,
         stop_event: threading.Event | None = None,
+        output: EventProducer | None = None,
     ) -> None:
         self.settings = settings or ConsumerSettings()
         self.group_id = group_id
@@ -127,6 +128,9 @@ class ConsumerRuntime:
         self.dlq_topic = dlq_topic
         self.codec = codec or default_codec()
         self.exactly_once = transactional_id is not None
+        # At-least-once consumers of one process may send through one producer (``EventProducer.share``).
+        if output is not None and self.exactly_once:
+            raise ValueError("an exactly-once runtime sends through its own transactional producer")
         self._on_assign = on_assign
         self._on_revoke = on_revoke
         # Work a newly assigned partition needs before its first record (the scheduler's restore). It runs on
@@ -168,7 +172,7 @@ class ConsumerRuntime:
         self._consumer = Consumer(consumer_config(bootstrap, group_id, self.settings, **overrides))
         transaction = ({"transaction.timeout.ms": round(self.settings.transaction_timeout_s * 1000)}
                        if self.exactly_once else {})
-        self.output = EventProducer(bootstrap, self.codec, transactional_id=transactional_id, **transaction)
+        self.output = output or EventProducer(bootstrap, self.codec, transactional_id=transactional_id, **transaction)
         if self.exactly_once:
             self._init_transactions()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
@@ -157,3 +158,24 @@ def test_a_fenced_runtime_ends_for_a_restart_instead_of_retrying_its_record(
         runtime.stop()
         thread.join(timeout=30)
     assert [m.key() for m in read_all(bootstrap, layout.events, expect=3, timeout_s=3)] == [b"before", b"before"]
+
+
+def test_a_shared_producer_reports_a_lost_send_to_its_sender_only(bootstrap: str, layout: TopicLayout) -> None:
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    from eventstore.errors import InfrastructureError
+
+    small = f"{layout.prefix}small-messages"
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin.create_topics([NewTopic(small, 1, 1, config={"max.message.bytes": "1024"})])[small].result(30)
+    base = EventProducer(bootstrap)
+    losing, keeping = base.share(), base.share()
+    losing.send_raw(small, "k", os.urandom(8192))  # refused by the broker: the topic takes at most 1 KB
+    keeping.send(layout.events, _event("t-kept", 1))
+
+    keeping.flush()  # waits for both sends; the refusal is not its own, so its offsets may be stored
+    with pytest.raises(InfrastructureError, match="delivery failed"):
+        losing.flush()
+    assert [m.key() for m in read_all(bootstrap, layout.events, expect=1)] == [b"t-kept"]
+    with pytest.raises(ValueError, match="transaction cannot be shared"):
+        EventProducer(bootstrap, transactional_id=f"{layout.prefix}tx").share()

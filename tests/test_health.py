@@ -60,3 +60,15 @@ def test_the_same_port_still_serves_prometheus_metrics(probed: Probed) -> None:
     _health, _clock, client = probed
     response = client.get("/metrics")
     assert response.status_code == 200 and "python_info" in response.text
+
+
+def test_one_stalled_loop_of_several_fails_the_liveness_probe_and_names_it(probed: Probed) -> None:
+    health, clock, client = probed
+    health.beat("agent.payments")
+    health.beat("agent.shipping")
+    assert answer(client, "/livez") == (200, "2 loops turning")
+    clock.advance(31)
+    health.beat("agent.shipping")  # one agent of the host keeps turning; the other does not
+    assert answer(client, "/livez") == (503, "loop agent.payments has not turned for 31s (limit 30s)")
+    health.retire("agent.payments")  # drained: it stopped as asked
+    assert answer(client, "/livez") == (200, "main loop turning")

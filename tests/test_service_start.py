@@ -29,6 +29,22 @@ def test_an_agent_with_an_invalid_policy_file_at_start_exits_1_naming_the_field_
         "Input should be greater than or equal to 0")
 
 
+def test_the_agent_host_with_an_invalid_policy_file_exits_1_and_run_agent_takes_one_name(tmp_path: Path) -> None:
+    policy = tmp_path / "policy.toml"
+    policy.write_text("[defaults.retry]\nmax_retries = -1\n")
+    env = {**os.environ, "STEPSTREAM_HOME": str(tmp_path / "home"), "STEPSTREAM_BOOTSTRAP_SERVERS": "127.0.0.1:1",
+           "STEPSTREAM_AGENT_POLICY_FILE": str(policy)}
+    host = subprocess.run([sys.executable, "-m", "stepstream", "run", "agents"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert host.returncode == 1 and "Traceback" not in host.stderr
+    assert host.stderr.splitlines()[-1] == (
+        f"stepstream: agents not started: policy file {policy}: defaults.retry.max_retries: "
+        "Input should be greater than or equal to 0")
+    two = subprocess.run([sys.executable, "-m", "stepstream", "run", "agent", "payments", "shipping"], env=env,
+                         cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+    assert two.returncode == 1 and "one NAME is required" in two.stderr and "stepstream run agents" in two.stderr
+
+
 @pytest.mark.kafka
 def test_an_idle_agent_rereads_its_policy_file_every_poll_interval_and_reports_a_bad_edit(
     test_env: dict[str, str], tmp_path: Path,

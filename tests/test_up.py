@@ -40,17 +40,17 @@ def test_up_in_a_fresh_clone_starts_everything_restarts_a_killed_service_and_the
         assert isinstance(pids, dict) and {"projector", "scheduler", "supervisor", "api"} <= set(pids)
         assert (home / "logs" / "orders-service.log").exists() and (home / "logs" / "scheduler.log").exists()
 
-        os.kill(pids["payments"], signal.SIGKILL)
-        assert wait_for(lambda: "payments started again" in output.read_text(), timeout_s=60), output.read_text()
-        assert "payments exited unexpectedly (killed by signal 9); starting it again in 0.5s" in output.read_text()
+        os.kill(pids["agents"], signal.SIGKILL)  # the one process running every agent of the project
+        assert wait_for(lambda: "agents started again" in output.read_text(), timeout_s=60), output.read_text()
+        assert "agents exited unexpectedly (killed by signal 9); starting it again in 0.5s" in output.read_text()
         # The latest orders version marks card_token: the CLI seals it with the key up made in the home.
         order = {"order_id": "after-kill", "sku": "A-1", "qty": 1, "amount": 10, "card_token": "tok_after_kill"}
         submitted = subprocess.run([sys.executable, "-m", "stepstream", "submit", "orders", "--input",
                                     json.dumps(order), "--task-id", "after-kill", "--wait"], env=env, cwd=tmp_path,
                                    capture_output=True, text=True, timeout=150, check=False)
         assert submitted.returncode == 0, submitted.stdout + submitted.stderr
-        restarted = json.loads((home / "up.json").read_text())["pids"]["payments"]
-        assert restarted != pids["payments"], "up.json names the running process"
+        restarted = json.loads((home / "up.json").read_text())["pids"]["agents"]
+        assert restarted != pids["agents"], "up.json names the running process"
     finally:
         up.send_signal(signal.SIGTERM)
         code = up.wait(timeout=150)

@@ -56,8 +56,12 @@ def test_the_travel_example_under_up_completes_a_trip_and_undoes_a_declined_one_
         state = wait_until_up(home, up, timeout_s=150)
         url = f"http://127.0.0.1:{port}"
         assert state["services"] == {"travel": url}
-        assert set(state["pids"]) == {"travel-service", "projector", "scheduler", "supervisor", "api", *AGENTS}, \
-            "every agent the workflow names, forward and compensation, and no demo order service"
+        assert set(state["pids"]) == {"travel-service", "projector", "scheduler", "supervisor", "api", "agents"}, \
+            "one process for every agent, and no demo order service"
+        api = str(state["api_url"]).rstrip("/")
+        assert wait_for(lambda: {a["agent"]: a["members"] for a in httpx.get(f"{api}/api/agents", timeout=10).json()
+                                 ["items"]} == dict.fromkeys(AGENTS, 1), timeout_s=60), \
+            "the host runs every agent the workflow names, forward and compensation, each its own group member"
 
         done = stepstream("submit", "trip", "--input", trip("t-ok"), "--task-id", "t-ok", "--wait", env=env)
         assert done.returncode == 0 and done.stdout.startswith("t-ok: completed (trip v1)"), done.stdout + done.stderr

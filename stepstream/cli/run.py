@@ -9,8 +9,10 @@ from collections.abc import Callable
 
 def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     run = commands.add_parser("run", help="run one service in the foreground (SIGTERM drains it)")
-    run.add_argument("service", choices=["scheduler", "agent", "projector", "supervisor"])
-    run.add_argument("name", nargs="?", help="the agent's name, for `run agent` (one stepstream.toml declares)")
+    run.add_argument("service", choices=["scheduler", "agent", "agents", "projector", "supervisor"])
+    run.add_argument("names", nargs="*", metavar="NAME",
+                     help="`run agent NAME`: the agent (one stepstream.toml declares); `run agents [NAME ...]`: the "
+                          "agents run together in one process (default: every agent the workflows name)")
     run.set_defaults(func=_run)
 
     up = commands.add_parser("up", help="run a whole local system until SIGTERM/Ctrl-C")
@@ -30,14 +32,17 @@ def _run(args: argparse.Namespace) -> int:
     from stepstream.local import services
 
     if args.service == "agent":
-        if not args.name:
+        if len(args.names) != 1:
             from stepstream.project.files import find_project
 
             project = find_project()
-            raise SystemExit(f"stepstream run agent: NAME is required, one of the agents declared in {project.where()}"
-                             f": {', '.join(sorted(project.spec.agents))}")
-        return services.run_agent(args.name)
-    if args.name:
+            raise SystemExit(f"stepstream run agent: one NAME is required, one of the agents declared in "
+                             f"{project.where()}: {', '.join(sorted(project.spec.agents))} (`stepstream run "
+                             "agents NAME ...` runs several in one process)")
+        return services.run_agent(args.names[0])
+    if args.service == "agents":
+        return services.run_agents(args.names)
+    if args.names:
         raise SystemExit(f"stepstream run {args.service}: takes no NAME")
     runners: dict[str, Callable[[], int]] = {
         "scheduler": services.run_scheduler,

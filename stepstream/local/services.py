@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -62,33 +62,65 @@ class PolicyRefused(StepstreamError):
 
 
 def run_agent(name: str) -> int:
+    """``stepstream run agent NAME``: one agent alone (its replicas scale out through its consumer group)."""
+    return _host([name], f"agent {name}")
+
+
+def run_agents(names: list[str]) -> int:
+    """``stepstream run agents [NAME ...]``: the agents named, or every agent the workflows name (forward
+    and compensation, as ``up`` runs them), in one process (:mod:`agents.host`)."""
+    if not names:
+        from scheduler.settings import SchedulerSettings
+
+        names = sorted(SchedulerSettings().load_registry().agents)
+    return _host(names, "agents")
+
+
+def _host(names: list[str], service: str) -> int:
+    """Run the agents ``names`` in this process, sharing one producer, one data-keys reader, the policy and
+    the breaker, budget and pace of each service; each keeps its consumer, workers, connection pool, metrics
+    and drain."""
+    from agents.dependencies import process_registry
+    from agents.host import AgentHost
     from agents.policy import FilePolicy, PolicyError
     from agents.reporting import Reporter
     from agents.runtime import build_agent
     from agents.settings import AgentSettings
-    from stepstream.project.agents import declared_agent
+    from eventstore.keys import DataKeys
+    from eventstore.producer import EventProducer
+    from stepstream.project.agents import declared_agents
     from stepstream.project.files import find_project
 
     project = find_project()
-    project.agent(name)  # an undeclared name is refused in one line, before the service starts
-    kafka, consumer, stop = _prepare(f"agent {name}")
+    for name in names:
+        project.agent(name)  # an undeclared name is refused in one line, before the service starts
+    kafka, consumer, stop = _prepare(service)
     settings = AgentSettings()
     try:
         policy = settings.policy_provider()
     except PolicyError as exc:  # one line naming the field, not the chain of parsers it came through
-        raise PolicyRefused(f"agent {name} not started: {exc}") from None
+        raise PolicyRefused(f"{service} not started: {exc}") from None
     if isinstance(policy, FilePolicy):
         threading.Thread(target=_watch_policy, args=(policy, stop), name="policy-watch", daemon=True).start()
-    agent = declared_agent(project, name, policy, stop, connections=settings.concurrency,
-                           url_override=settings.service_url)
-    # What the console shows of this agent's dependencies (breaker, budget, throttles): published beside it.
-    reporter = Reporter(kafka.resolved_bootstrap(), TopicLayout.from_settings(kafka).dependencies,
+    agents = declared_agents(project, names, policy, stop, connections=settings.concurrency,
+                             urls={name: settings.url_for(name) for name in names})
+    bootstrap = kafka.resolved_bootstrap()
+    keys = DataKeys(bootstrap, TopicLayout.from_settings(kafka).keys)
+    # Answers wait up to linger_ms to leave together: under a burst, fewer and larger produce requests (and
+    # fewer fetches for the scheduler reading them); alone, a few milliseconds more per step.
+    linger: dict[str, Any] = {"linger.ms": settings.linger_ms}
+    output = EventProducer(bootstrap, **linger)
+    loops = {name: build_agent(kafka, consumer, agent, settings.concurrency, keys=keys, output=output.share()).run
+             for name, agent in agents.items()}
+    # What the console shows of these agents' dependencies (breaker, budget, throttles): published beside them.
+    reporter = Reporter(bootstrap, TopicLayout.from_settings(kafka).dependencies,
                         concurrency=settings.concurrency).start()
     try:
-        build_agent(kafka, consumer, agent, settings.concurrency).run()
+        AgentHost(loops, stop, consumer.drain_timeout_s).run()
     finally:
-        agent.dependencies.flush()  # the calls' trouble since the last aggregated line
+        process_registry().flush()  # the calls' trouble since the last aggregated line
         reporter.stop()
+        keys.close()
     return 0
 
 

@@ -2,11 +2,12 @@
 
 It runs the project's system (``stepstream.project``: a ``stepstream.toml``, or the built-in demo): the local
 broker if no cluster is configured, the project's services that have a ``command`` (the demo's order
-service), and every service as its own process (projector, scheduler, one agent per agent the workflows
-name, forward and compensation alike, supervisor, and the API with the dashboard on STEPSTREAM_API_PORT, or
-a free port when that one is taken), then watches them: one that dies is started again after a back-off,
-one that keeps dying stops everything with exit 1 (``stepstream.local.restarts``). On SIGTERM it drains
-them newest first (the project's services last, so agents finish their calls) and reports each exit code.
+service), and every service as its own process (projector, scheduler, one agent host running every agent the
+workflows name, forward and compensation alike (``stepstream run agents``, :mod:`agents.host`), supervisor, and
+the API with the dashboard on STEPSTREAM_API_PORT, or a free port when that one is taken), then watches them:
+one that dies is started again after a back-off, one that keeps dying stops everything with exit 1
+(``stepstream.local.restarts``). On SIGTERM it drains them newest first (the project's services last, so
+agents finish their calls) and reports each exit code.
 
 Before anything starts, ``preflight`` checks everything the project file names (workflows, agent tables,
 handlers, service commands, the policy file): a mistake is refused in one line naming it, with nothing to
@@ -52,6 +53,8 @@ from stepstream.project.files import LoadedProject, find_project
 from stepstream.project.model import ServiceDecl
 
 READY_MARKER = "stepstream is up"
+AGENT_HOST = "agents"
+"""The name of the process running every agent of the project (``stepstream run agents``)."""
 API_MARKER = "api listening on"
 
 
@@ -110,7 +113,7 @@ def run_up(service_port: int | None = None) -> int:
     own = {name: decl for name, decl in project.spec.services.items() if decl.command is not None}
     if service_port is not None and len(own) != 1:
         raise UsageError(f"--service-port: the project runs {len(own)} services of its own, not one")
-    services = ["projector", "scheduler", *agents, "supervisor"]
+    services = ["projector", "scheduler", *([AGENT_HOST] if agents else []), "supervisor"]
     metrics = metrics_ports(services, ObservabilitySettings().metrics_port)
     refuse_if_up(home)
     planned = [project_services.plan(name, decl, service_port) for name, decl in own.items()]
@@ -172,9 +175,9 @@ def _start(procs: ServiceProcesses, planned: list[project_services.StartedServic
         project_services.start(procs, started, own[started.name], home, project.folder)
     for name in services:
         env = {"STEPSTREAM_METRICS_PORT": str(metrics[name])} if name in metrics else {}
-        if name in agents:
-            env |= _agent_env(project, name, urls)
-        procs.service(name, *(("agent", name) if name in agents else (name,)), env=env or None)
+        if name == AGENT_HOST:
+            env["STEPSTREAM_AGENT_SERVICE_URLS"] = json.dumps(_agent_urls(project, agents, urls))
+        procs.service(name, name, env=env or None)
     procs.start("api", "stepstream", "serve", "api", "--port", str(_api_port()))
     for name in services:
         procs.wait_started(name)
@@ -195,12 +198,16 @@ def _after_failure(console: Console, broker: LocalBroker | None, home: Path, sto
                       highlight=False)
 
 
-def _agent_env(project: LoadedProject, name: str, started: dict[str, str]) -> dict[str, str]:
-    """An HTTP agent is told the URL of its service: where ``up`` started it (any free port), or as declared."""
-    decl = project.agent(name)
-    url = started.get(decl.service) if decl.service is not None else None
-    url = url or agent_url(project, name)
-    return {} if url is None else {"STEPSTREAM_AGENT_SERVICE_URL": url}
+def _agent_urls(project: LoadedProject, agents: list[str], started: dict[str, str]) -> dict[str, str]:
+    """Each HTTP agent's service URL, for the agent host: where ``up`` started it (any free port), or as
+    declared."""
+    urls = {}
+    for name in agents:
+        decl = project.agent(name)
+        url = (started.get(decl.service) if decl.service is not None else None) or agent_url(project, name)
+        if url is not None:
+            urls[name] = url
+    return urls
 
 
 def _supervise(stop: threading.Event, procs: ServiceProcesses, policy: RestartPolicy,

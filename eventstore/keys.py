@@ -14,7 +14,8 @@ on any other partition when it is not on the task's: ``StrayProposals``, for a p
 otherwise), adopts the key (writing the task's own record) or reseals under the task's key, and writes the
 proposal's tombstone in that same transaction. So the task's own record is the only one left, and an
 erasure's tombstone of it leaves no copy of the key on any topic once ``keys`` is compacted. A submission
-that is dead-lettered keeps its proposal, so the dead letter can be replayed; erasing its task tombstones it.
+that is dead-lettered keeps its proposal, so the dead letter can be replayed; erasing its task tombstones it,
+marked ``ERASED``: the one tombstone of a proposal a follower heeds before its transaction is known to commit.
 
 A proposal never takes the task's own record key: a submitter racing an acceptance (it did not find the
 task yet) would otherwise replace the accepted key, and compaction could drop the key the task's events
@@ -52,6 +53,15 @@ healthy broker answers in milliseconds; one behind a dead leader never does)."""
 PROPOSED = ("stepstream-key", b"proposed")
 """The header of a proposed key's record (and of its tombstone): what tells it from a task's own record."""
 
+ERASED = ("stepstream-key-erased", b"erased")
+"""Beside ``PROPOSED``, the header of a proposal's tombstone written by an erasure of its task (not by a submission
+taking it). Followers read ``keys`` uncommitted, so they also see tombstones of transactions that are aborted
+later. One of a taking is never heeded: a committed taking leaves no submission to need the proposal again, an
+aborted one leaves a submission that will. One of an erasure is always heeded, aborted or not: the task's key
+must not open anything once erased, and an aborted erasure is decided again when its command is handled again
+(the same ended task, the same decision), when the followers still name the proposal (``of_task``) so its
+tombstone is written again."""
+
 ROLL = ("stepstream-key", b"roll")
 ROLL_RECORD = "stepstream-keys-roll-" * 10
 """A marker appended to every partition now and then (``roll``), so an idle partition's active segment
@@ -74,6 +84,17 @@ def proposal_task(record: str) -> str:
     """The task a proposal's record key (:func:`proposal_record`) names: what comes before its last ``#`` (a task
     id may hold one; a reference from :func:`new_reference` holds none)."""
     return record.rpartition("#")[0]
+
+
+def proposal_change(msg: KafkaMessage) -> tuple[str, str | None] | None:
+    """What a record read on ``keys`` says of a proposal: its record and wrapped key, or its record and None when
+    an erasure tombstoned it (``ERASED``); None for any other record, the tombstone of a taking included."""
+    key, value, headers = msg.key(), msg.value(), msg.headers() or []
+    if key is None or PROPOSED not in headers:
+        return None
+    if value is not None:
+        return key.decode(), value.decode()
+    return (key.decode(), None) if ERASED in headers else None
 
 
 @dataclass
@@ -278,39 +299,41 @@ class Proposals:
     partition's end finds it. That read is read_uncommitted: the scheduler's transaction stays open over
     several polls of ``inbox``, and once it wrote to the partition, a read_committed reader would stop at
     its first record and miss a proposal written after it (a submission polled later in the same batch).
-    Proposals are written without a transaction, so nothing read is ever aborted; the scheduler's own
-    records (tasks' keys, tombstones of proposals) are skipped here, and a proposal leaves memory when
-    the transaction that took it committed (``taken``): an aborted batch takes it again.
+    Proposals are written without a transaction, so none read is ever aborted; of the scheduler's own
+    records only an erasure's tombstone of a proposal is heeded (``ERASED`` says why); a proposal leaves
+    memory when the transaction that took or erased it committed (``taken``): an aborted batch comes again.
     """
 
     def __init__(self, bootstrap: str, topic: str, partition: int, starts: dict[int, int],
                  pending: dict[str, str | None]) -> None:
         self.partition = partition
         self._follower = KeyFollower(bootstrap, topic, starts, committed_only=False, partitions=[partition])
-        self._pending = {record: wrapped for record, wrapped in pending.items() if wrapped is not None}
+        # By record: the wrapped key, None once an erasure tombstoned it (kept until that erasure commits).
+        self._pending: dict[str, str | None] = {record: wrapped for record, wrapped in pending.items()
+                                                if wrapped is not None}
 
     def wrapped(self, record: str) -> str | None:
         """The wrapped key proposed under ``record``; None when it is not (or no longer) on the partition."""
         if record not in self._pending:
             for msg in self._follower.read_on([self.partition], lambda: record in self._pending):
-                key, value = msg.key(), msg.value()
-                if key is not None and value is not None and PROPOSED in (msg.headers() or []):
-                    self._pending[key.decode()] = value.decode()
+                if (change := proposal_change(msg)) is not None:
+                    self._pending[change[0]] = change[1]
         return self._pending.get(record)
 
     def taken(self, record: str) -> None:
-        """The submission of ``record`` was handled and committed, with the proposal's tombstone."""
+        """The submission of ``record`` was handled (or its task erased) and committed, with its tombstone."""
         self._pending.pop(record, None)
 
     def of_task(self, task_id: str) -> list[str]:
-        """The records of ``task_id``'s proposals still here: a dead-lettered submission's, kept for its replay."""
+        """The records of ``task_id``'s proposals still here: a dead-lettered submission's, kept for its replay,
+        or one an erasure not known to be committed tombstoned."""
         return [record for record in self._pending if proposal_task(record) == task_id]
 
     def close(self) -> None:
         self._follower.close()
 
     def __len__(self) -> int:
-        return len(self._pending)
+        return sum(1 for wrapped in self._pending.values() if wrapped is not None)
 
 
 class StrayProposals:
@@ -321,41 +344,38 @@ class StrayProposals:
     own partition does not hold it: one follower over the whole topic, made at the first such look, reading
     on from where the last look stopped (read_uncommitted, as ``Proposals`` does and for the same reason).
 
-    A proposal leaves memory when its tombstone is read, or when the transaction that took it committed
-    (``taken``). The tombstone of one this scheduler is taking is not heeded: its transaction may yet be
-    aborted (the tombstone with it) and the submission come again.
+    Only an erasure's tombstone of a proposal is heeded (``ERASED``), so a follower made afresh, reading from
+    the beginning over tombstones of transactions that were aborted, finds what an aborted taking tombstoned.
+    A proposal leaves memory when the transaction that took or erased it committed (``taken``).
     """
 
     def __init__(self, bootstrap: str, topic: str) -> None:
         self._follower = KeyFollower(bootstrap, topic, None, committed_only=False)
-        self._found: dict[str, tuple[int, str]] = {}  # record -> (partition, wrapped key)
-        self._taking: set[str] = set()
+        # By record: its partition and wrapped key, None once an erasure tombstoned it (until that erasure commits).
+        self._found: dict[str, tuple[int, str | None]] = {}
+
+    def _read(self, done: Callable[[], bool]) -> None:
+        for msg in self._follower.read_on(None, done):
+            if (change := proposal_change(msg)) is not None:
+                self._found[change[0]] = (msg.partition(), change[1])
 
     def find(self, record: str) -> tuple[int, str] | None:
-        """The partition holding the proposal ``record`` and its wrapped key; None when no partition does."""
-        if record not in self._found:
-            for msg in self._follower.read_on(None, lambda: record in self._found):
-                key, value = msg.key(), msg.value()
-                if key is None or PROPOSED not in (msg.headers() or []):
-                    continue
-                name = key.decode()
-                if value is not None:
-                    self._found[name] = (msg.partition(), value.decode())
-                elif name not in self._taking:
-                    self._found.pop(name, None)
-        return self._found.get(record)
+        """The partition holding the proposal ``record`` and its wrapped key; None when no partition does.
 
-    def taking(self, record: str) -> None:
-        """The open transaction takes ``record`` (writes its tombstone)."""
-        self._taking.add(record)
+        Read to the topic's end even when the proposal was found before: an erasure written since (by the
+        scheduler that owned the task then) must hide it. Misses on a task's own partition are rare."""
+        self._read(lambda: False)
+        partition, wrapped = self._found.get(record, (-1, None))
+        return None if wrapped is None else (partition, wrapped)
 
     def taken(self, record: str) -> None:
-        """The transaction that took ``record`` committed."""
-        self._taking.discard(record)
+        """The transaction that took (or erased) ``record`` committed."""
         self._found.pop(record, None)
 
     def of_task(self, task_id: str) -> list[tuple[int, str]]:
-        """Where the proposals of ``task_id`` found so far are (partition, record)."""
+        """Where the proposals of ``task_id`` are (partition, record), the topic read to its end first: a scheduler
+        that erases the task tombstones every one, found by a submission of its own or not."""
+        self._read(lambda: False)
         return [(partition, record) for record, (partition, _wrapped) in self._found.items()
                 if proposal_task(record) == task_id]
 

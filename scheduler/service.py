@@ -50,7 +50,7 @@ from prometheus_client import Gauge
 
 from eventstore.errors import PoisonMessageError
 from eventstore.kafka_config import connection_config
-from eventstore.keys import PROPOSED, Proposals, StrayProposals, proposal_record, read_key_records
+from eventstore.keys import ERASED, PROPOSED, Proposals, StrayProposals, proposal_record, read_key_records
 from eventstore.producer import EventProducer
 from eventstore.runtime import ConsumerRuntime, Record
 from eventstore.settings import ConsumerSettings, KafkaSettings
@@ -387,9 +387,7 @@ class Scheduler:
         wrapped = self._proposals[partition].wrapped(record)
         if wrapped is not None:
             return (partition, record), wrapped
-        if self._strays is None:
-            self._strays = StrayProposals(self.bootstrap, self.layout.keys)
-        found = self._strays.find(record)
+        found = self._stray_proposals().find(record)
         if found is None:
             raise PoisonMessageError(f"submission of task {command.task_id}: key_ref {command.key_ref!r} names no "
                                      f"data key on {self.layout.keys} (not proposed yet, or taken already): its "
@@ -397,13 +395,20 @@ class Scheduler:
         self._misplaced.add("keys", found[0], partition)
         return (found[0], record), found[1]
 
-    def _take(self, partition: int, record: str, output: EventProducer) -> None:
-        """Tombstone a handled submission's proposed key in the open transaction (the task's own record holds
-        the key now, or the task needed none); it leaves memory once the transaction commits."""
-        output.send_raw(self.layout.keys, record, None, [PROPOSED], partition=partition)
+    def _stray_proposals(self) -> StrayProposals:
+        """The follower of proposals on any ``keys`` partition, made at the first need (a miss on the task's own
+        partition, or an erasure, whose task may have a dead-lettered submission's proposal anywhere)."""
+        if self._strays is None:
+            self._strays = StrayProposals(self.bootstrap, self.layout.keys)
+        return self._strays
+
+    def _take(self, partition: int, record: str, output: EventProducer, *, erasure: bool = False) -> None:
+        """Tombstone a proposed key in the open transaction: a handled submission's (the task's own record holds
+        the key now, or the task needed none), or, marked ``ERASED``, a kept one of an erased task. It leaves
+        memory once the transaction commits."""
+        output.send_raw(self.layout.keys, record, None, [PROPOSED, ERASED] if erasure else [PROPOSED],
+                        partition=partition)
         self._taken.append((partition, record))
-        if self._strays is not None:
-            self._strays.taking(record)
 
     def _rewrap(self, partition: int, output: EventProducer) -> None:
         """Rewrap a few of the partition's data keys that an older master key wraps (none once rotated)."""
@@ -432,10 +437,9 @@ class Scheduler:
             output.send_raw(self.layout.keys, event.task_id, None, partition=partition)
             # A dead-lettered submission's proposed key, kept for a replay, goes with the task's own.
             kept = {(partition, record) for record in self._proposals[partition].of_task(event.task_id)}
-            if self._strays is not None:
-                kept.update(self._strays.of_task(event.task_id))
+            kept.update(self._stray_proposals().of_task(event.task_id))
             for where, record in sorted(kept):
-                self._take(where, record, output)
+                self._take(where, record, output, erasure=True)
 
     def _effects(self, event: Event, state: TaskState, command: Message, output: EventProducer,
                  key: TaskKey | None) -> None:
@@ -640,6 +644,12 @@ class Scheduler:
                 self._events_end.pop(tp.partition, None)
                 for key in [key for key in self._batch if key[0] == tp.partition]:
                     del self._batch[key]  # a restore of the partition, not the batch, is its truth from now on
+            if not self._proposals and self._strays is not None:
+                # No partition owned (a stop, or all revoked): the follower of the whole topic closes with the
+                # last one; the next need makes a new one, reading from the beginning again (it heeds only
+                # erasures' tombstones, so one an aborted taking wrote does not hide a proposal from it).
+                self._strays.close()
+                self._strays = None
 
     def committed(self) -> None:
         """The open transaction committed: the states of its tasks are the log's and the changelog's now, its

@@ -11,7 +11,17 @@ import pytest
 from confluent_kafka.admin import AdminClient
 
 from eventstore import keys as keys_module
-from eventstore.keys import PROPOSED, DataKeys, Proposals, key_report, proposal_record, read_key_records, roll
+from eventstore.keys import (
+    ERASED,
+    PROPOSED,
+    DataKeys,
+    Proposals,
+    StrayProposals,
+    key_report,
+    proposal_record,
+    read_key_records,
+    roll,
+)
 from eventstore.partitioning import partition_of
 from eventstore.producer import EventProducer
 from eventstore.replay import LogRange
@@ -61,6 +71,69 @@ def test_a_proposal_written_behind_the_schedulers_open_transaction_is_found(boot
     scheduler.commit()
     proposals.taken(proposal_record("polled-later", "r1"))
     assert len(proposals) == 0
+
+
+def tombstone_in_a_transaction(bootstrap: str, topic: str, record: str, partition: int, *, erasure: bool,
+                               commit: bool) -> None:
+    """A scheduler's tombstone of a proposal (a taking's, or an erasure's), in a transaction it commits or aborts."""
+    scheduler = confluent_kafka.Producer({"bootstrap.servers": bootstrap,
+                                          "transactional.id": f"test-{uuid.uuid4().hex[:8]}"})
+    scheduler.init_transactions(30)
+    scheduler.begin_transaction()
+    scheduler.produce(topic, key=record, value=None, partition=partition,
+                      headers=[PROPOSED, ERASED] if erasure else [PROPOSED])
+    scheduler.flush(10)
+    (scheduler.commit_transaction if commit else scheduler.abort_transaction)(30)
+
+
+def propose(bootstrap: str, topic: str, proposals: dict[str, bytes], partition: int) -> None:
+    submitter = EventProducer(bootstrap)
+    for record, wrapped in proposals.items():
+        submitter.send_raw(topic, record, wrapped, [PROPOSED], partition=partition)
+    submitter.flush()
+
+
+def test_a_fresh_stray_follower_finds_a_proposal_whose_taking_was_aborted(bootstrap: str,
+                                                                          layout: TopicLayout) -> None:
+    """A scheduler made after a crash mid-batch (or a rebalance) reads keys from the beginning, uncommitted: the
+    tombstone of a taking whose transaction was aborted must not hide the proposal its submission comes back for."""
+    aborted, committed = proposal_record("again", "r0"), proposal_record("accepted", "r1")
+    propose(bootstrap, layout.keys, {aborted: b"k1:again", committed: b"k1:accepted"}, partition=1)
+    tombstone_in_a_transaction(bootstrap, layout.keys, aborted, 1, erasure=False, commit=False)
+    tombstone_in_a_transaction(bootstrap, layout.keys, committed, 1, erasure=False, commit=True)
+
+    strays = StrayProposals(bootstrap, layout.keys)
+    try:
+        assert strays.find(aborted) == (1, "k1:again")
+    finally:
+        strays.close()
+
+
+def test_an_erasures_tombstone_hides_a_kept_proposal_from_every_follower_and_an_aborted_one_is_named_for_the_redo(
+    bootstrap: str, layout: TopicLayout
+) -> None:
+    """After an erasure no follower opens the task's kept proposal (a dead letter's replay must not open the data);
+    an erasure aborted is decided again, so its proposals stay named by ``of_task`` for the tombstone to be
+    written again, while the aborted tombstone is invisible to a committed reader (``dlq``, a restore)."""
+    erased, redone = proposal_record("erased", "r0"), proposal_record("redone", "r1")
+    propose(bootstrap, layout.keys, {erased: b"k1:erased", redone: b"k1:redone"}, partition=0)
+    strays = StrayProposals(bootstrap, layout.keys)
+    try:
+        assert strays.find(erased) == (0, "k1:erased"), "found before the erasure, by a long-lived follower"
+        tombstone_in_a_transaction(bootstrap, layout.keys, erased, 0, erasure=True, commit=True)
+        tombstone_in_a_transaction(bootstrap, layout.keys, redone, 0, erasure=True, commit=False)
+        assert strays.find(erased) is None
+        assert strays.find(redone) is None, "an aborted erasure is redone: its proposal opens nothing meanwhile"
+        assert strays.of_task("redone") == [(0, redone)], "named, so the redo tombstones it again"
+    finally:
+        strays.close()
+    own = Proposals(bootstrap, layout.keys, 0, {}, {})
+    try:
+        assert own.wrapped(redone) is None and own.wrapped(erased) is None
+        assert own.of_task("redone") == [redone]
+    finally:
+        own.close()
+    assert read_key_records(bootstrap, layout.keys, {}).proposals == {erased: None, redone: "k1:redone"}
 
 
 def test_the_key_report_counts_the_data_keys_each_master_key_wraps_tasks_and_proposals_apart(

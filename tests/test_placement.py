@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import zlib
 
+from confluent_kafka import TopicPartition
 from prometheus_client import REGISTRY as METRICS
 
+from eventstore.keys import Proposals, StrayProposals
 from eventstore.partitioning import partition_of
 from eventstore.runtime import Record
 from eventstore.topics import TopicLayout
@@ -81,3 +83,15 @@ def test_moved_records_are_counted_when_their_batch_commits_and_logged_in_aggreg
     assert tally.committed() == {"inbox 2->5": 2}
     now[0] += 60
     assert tally.committed() is None, "nothing new, nothing logged"
+
+
+def test_the_follower_of_stray_proposals_closes_when_the_scheduler_owns_no_partition_any_more() -> None:
+    layout = TopicLayout(prefix="placement.", partitions=PARTITIONS)
+    made = Scheduler(bootstrap="127.0.0.1:9", layout=layout, registry=REGISTRY, limits=Limits())
+    made._proposals = {p: Proposals("127.0.0.1:9", layout.keys, p, {}, {}) for p in (0, 1)}
+    made._strays = StrayProposals("127.0.0.1:9", layout.keys)
+
+    made.forget([TopicPartition(layout.inbox, 0)])
+    assert made._strays is not None, "partition 1 is still owned: its submissions may need the follower"
+    made.forget([TopicPartition(layout.inbox, 1)])
+    assert made._strays is None, "nothing owned: the follower of the whole topic is closed, not left open"

@@ -15,7 +15,7 @@ import psycopg
 import pytest
 from confluent_kafka.admin import AdminClient
 
-from eventstore.keys import KeyProposer, proposal_record, read_key_records, read_keys
+from eventstore.keys import KeyProposer, StrayProposals, proposal_record, read_key_records, read_keys
 from eventstore.producer import EventProducer
 from eventstore.replay import LogRange, ReplayReader
 from eventstore.settings import KafkaSettings
@@ -190,6 +190,11 @@ def test_a_card_token_submitted_every_way_in_is_charged_yet_it_and_the_marked_ou
     assert erased.returncode == 0, erased.stdout + erased.stderr
     assert wait_for(lambda: read_key_records(system.bootstrap, system.layout.keys, {}).proposals[kept] is None,
                     timeout_s=30)
+    strays = StrayProposals(system.bootstrap, system.layout.keys)
+    try:
+        assert strays.find(kept) is None, "the erasure's tombstone is heeded by a scheduler's follower made afresh"
+    finally:
+        strays.close()
     http.close()
 
 

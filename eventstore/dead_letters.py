@@ -44,7 +44,7 @@ from eventstore.dlq import (
 )
 from eventstore.errors import LogReadError, StepstreamError
 from eventstore.kafka_config import producer_config
-from eventstore.keys import PROPOSED, KeyRecords, proposal_record, read_key_records
+from eventstore.keys import ERASED, PROPOSED, KeyRecords, proposal_record, read_key_records
 from eventstore.replay import LogRange
 from schemas.codec import Codec, default_codec
 from schemas.errors import DecodeError
@@ -208,8 +208,8 @@ class DeadLetters:
             if producer.flush(60) or failures:
                 raise DlqToolError(f"discard not done: {what} not delivered: {failures[0] if failures else 'timeout'}")
 
-        for record in shredded.values():
-            producer.produce(self.keys_topic, key=record, value=None, headers=[PROPOSED],
+        for record in shredded.values():  # an erasure's tombstone: a scheduler holding the proposal forgets it too
+            producer.produce(self.keys_topic, key=record, value=None, headers=[PROPOSED, ERASED],
                              partition=records.proposed_on[record], on_delivery=report)
         sent("the tombstones of the proposed data keys")
         now = datetime.now(UTC).isoformat(timespec="milliseconds")

@@ -15,7 +15,7 @@ from eventstore.topics import TopicLayout, TopicSpec
 from scheduler.decider import Limits
 from scheduler.service import Scheduler
 from schemas.messages import Event, StatusUpdate, SubmitTask
-from tests.test_scheduler_memory import Output
+from tests.fakes import RecordingOutput
 from tests.workflows import REGISTRY
 
 
@@ -37,7 +37,7 @@ def test_a_reply_topic_that_cannot_be_made_fails_the_command_before_its_output_s
     command = SubmitTask(task_id="t-1", workflow="orders", workflow_version=1, submitter="shop",
                          input={"order_id": "t-1", "sku": "A-1", "qty": 1, "amount": 10})
     record = Record(layout.inbox, partition_of(command.task_id, layout.partitions), 0, command.task_id, command, [])
-    output = Output()
+    output = RecordingOutput()
 
     with pytest.raises(InfrastructureError):
         made.handle(record, output)  # type: ignore[arg-type]

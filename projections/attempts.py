@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any, Literal
 
+from projections.rows import ms
+
 #: How an attempt ended, or that it has not (see the module docstring): the console colours its bar by it.
 Outcome = Literal["queued", "running", "succeeded", "undone", "timed out", "refused", "throttled", "deferred",
                   "failed"]
@@ -57,7 +59,7 @@ def _ms(value: Any) -> int | None:
     """An event's time as epoch ms (event bodies hold ISO 8601 text)."""
     if value is None:
         return None
-    return int(datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp() * 1000)
+    return ms(datetime.fromisoformat(str(value)))  # Python 3.11 reads a trailing Z
 
 
 def attempts(history: Iterable[Mapping[str, Any]]) -> list[Attempt]:

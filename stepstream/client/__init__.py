@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -248,10 +248,12 @@ class Client:
         deadline = time.monotonic() + timeout_s
         while True:
             task = self.status(task_id)
+            # The task's events are read at most once a poll, and only when a check asks for them.
+            history = functools.cache(functools.partial(self._history, task_id))
             if task is not None:
-                self._raise_if_contradicted(task_id)
+                self._raise_if_contradicted(task_id, history)
             if task is not None and task["status"] == TaskStatus.REJECTED and \
-                    task["sequence"] <= self._seen_at_submit.get(task_id, -1) and not self._refused_for_good(task_id):
+                    task["sequence"] <= self._seen_at_submit.get(task_id, -1) and not self._refused_for_good(history):
                 task = None  # the rejection of an earlier submission: this one is not decided yet
             if task is not None and task["status"] in TERMINAL:
                 if task["status"] == TaskStatus.REJECTED:
@@ -262,24 +264,27 @@ class Client:
                 raise TaskWaitTimeout(f"task {task_id} not finished after {timeout_s}s ({state})")
             time.sleep(poll_s)
 
-    def _refused_for_good(self, task_id: str) -> bool:
+    def _history(self, task_id: str) -> list[tuple[str, dict[str, Any]]]:
+        """The task's events in the store, as (event type, body); none without a store."""
+        if self._store is None:
+            return []
+        return [(e["event_type"], orjson.loads(e["body"])) for e in self._store.history(task_id)]
+
+    @staticmethod
+    def _refused_for_good(history: Callable[[], list[tuple[str, dict[str, Any]]]]) -> bool:
         """Whether the task's rejection is for an input its version refuses: the scheduler answers a repeat of
         it with nothing new (it can never pass), so the earlier rejection is this submission's answer too."""
-        if self._store is None:
-            return False
-        causes = [orjson.loads(e["body"]).get("cause") for e in self._store.history(task_id)
-                  if e["event_type"] == "TaskRejected"]
+        causes = [body.get("cause") for event_type, body in history() if event_type == "TaskRejected"]
         return bool(causes) and causes[-1] == "invalid_input"
 
-    def _raise_if_contradicted(self, task_id: str) -> None:
+    def _raise_if_contradicted(self, task_id: str, history: Callable[[], list[tuple[str, dict[str, Any]]]]) -> None:
         """The scheduler's alert caused by this client's submission: the store did not know the task when it
         was submitted (so ``submit`` could not refuse it), and its id turned out to hold other data."""
         message_id = self._message_ids.get(task_id)
-        if message_id is None or self._store is None:
+        if message_id is None:
             return
-        for event in self._store.history(task_id):
-            body = orjson.loads(event["body"])
-            if event["event_type"] == "OperatorAlert" and body.get("causation_id") == message_id:
+        for event_type, body in history():
+            if event_type == "OperatorAlert" and body.get("causation_id") == message_id:
                 raise SubmissionContradicts(f"task {task_id!r} was refused by the scheduler: {body.get('reason')}; "
                                             "the existing task is untouched")
 

@@ -139,7 +139,7 @@ def run_up(service_port: int | None = None) -> int:
         except (StepstreamError, TimeoutError) as exc:  # one ended or never started: said first, then all stop
             failed = exc
             console.print(f"[red]not up: {escape(str(exc))}[/red]", highlight=False)
-        if failed is None:
+        else:
             api_url = re.findall(API_MARKER + r" (http://\S+)", procs.log("api"))[0]
             state = {"pid": os.getpid(), "bootstrap": bootstrap, "services": urls, "topic_prefix": layout.prefix,
                      "api_url": api_url, "metrics_ports": metrics}

@@ -143,7 +143,6 @@ def run_up(service_port: int | None = None) -> int:
             api_url = re.findall(API_MARKER + r" (http://\S+)", procs.log("api"))[0]
             state = {"pid": os.getpid(), "bootstrap": bootstrap, "services": urls, "topic_prefix": layout.prefix,
                      "api_url": api_url, "metrics_ports": metrics}
-            _write_state(home, state, procs)
             console.print(f"{READY_MARKER}: kafka {bootstrap}, "
                           + "".join(f"service {name} {url}, " for name, url in urls.items())
                           + f"dashboard and API {api_url}, services {', '.join(names)}; logs in {logs}",
@@ -151,6 +150,9 @@ def run_up(service_port: int | None = None) -> int:
             if metrics:
                 console.print("metrics (STEPSTREAM_METRICS_PORT, one port each): " + ", ".join(
                     f"{name} http://127.0.0.1:{port}/metrics" for name, port in metrics.items()), highlight=False)
+            # The state file says "up" to whoever waits for it (wait_until_up): written after the lines saying
+            # so, a caller that finds it also finds them in up's output.
+            _write_state(home, state, procs)
             gave_up = _supervise(stop, procs, RestartPolicy(RestartSettings()),
                                  lambda: _write_state(home, state, procs), console)
     finally:
